@@ -1,0 +1,1 @@
+"""Triton kernels with plain-torch twins; installed as localchat.kernels (the kernels issue fills this in)."""

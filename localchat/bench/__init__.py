@@ -1,0 +1,1 @@
+"""Offline long-context benchmark: task generators, runner, report."""

@@ -1,0 +1,134 @@
+"""Command line: argument parsing only; the work happens in the engine, documents and chat modules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from localchat import __version__
+from localchat.errors import UserError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
+    """Shared flags; on subcommands they default to SUPPRESS so `localchat --model X ask ...` keeps X."""
+
+    def d(value):
+        return argparse.SUPPRESS if sub else value
+
+    p.add_argument("--model", "-m", default=d(None),
+                   help="Hugging Face id, local HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--chunk", type=int, default=d(None), help="prefill chunk size in tokens (default: the model card's)")
+    p.add_argument("--max-new-tokens", type=int, default=d(512), help="answer length limit (default 512)")
+    p.add_argument("--temperature", type=float, default=d(0.0), help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=d(1.0), help="nucleus sampling threshold (default 1.0)")
+    p.add_argument("--seed", type=int, default=d(0), help="sampling seed (default 0)")
+    p.add_argument("--max-file-mb", type=float, default=d(64), help="largest document accepted (default 64 MB)")
+    p.add_argument("--debug", action="store_true", default=d(False), help="show Python tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localchat", description="Chat with long documents on a local model.")
+    parser.add_argument("--version", action="version", version=f"localchat {__version__}")
+    _model_flags(parser)
+    sub = parser.add_subparsers(dest="command")
+
+    ask = sub.add_parser("ask", help="answer one question (documents optional) and stream it to stdout")
+    ask.add_argument("question", help="the question")
+    ask.add_argument("--file", "-f", action="append", default=[], metavar="F", help="a document (repeatable)")
+    _model_flags(ask, sub=True)
+
+    chat = sub.add_parser("chat", help="a plain line-by-line chat in this terminal (the default command)")
+    _model_flags(chat, sub=True)
+
+    sub.add_parser("fetch-model", help="fetch and convert the embedded default model now (once)")
+    return parser
+
+
+def _settings(args):
+    from localchat.engine.sampling import GenerationSettings
+
+    return GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed)
+
+
+def _check_flags(args) -> None:
+    if args.chunk is not None and args.chunk < 1:
+        raise UserError(f"--chunk must be at least 1 (got {args.chunk})")
+    if args.max_file_mb <= 0:
+        raise UserError(f"--max-file-mb must be positive (got {args.max_file_mb})")
+    _settings(args).validate()
+
+
+def run_ask(args) -> int:
+    from localchat.documents import load_document
+    from localchat.engine.engine import Engine
+    from localchat.engine.events import Done, Error, Progress, Token
+    from localchat.render import ProgressBar, user_turn
+
+    if not args.question.strip():
+        raise UserError("the question is empty; put it in quotes after `ask`")
+    # Read every document before loading the model, so a bad path fails fast.
+    docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
+    engine = Engine.load(args.model, chunk=args.chunk)
+    messages = [{"role": "user", "content": user_turn(args.question, docs)}]
+    cancel = threading.Event()
+    bar = ProgressBar()
+    events = engine.chat(messages, _settings(args), cancel)
+    try:
+        for ev in events:
+            if isinstance(ev, Progress):
+                bar.update(ev)
+            elif isinstance(ev, Token):
+                bar.clear()
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            elif isinstance(ev, Done):
+                bar.clear()
+                sys.stdout.write("\n")
+                return EXIT_OK
+            elif isinstance(ev, Error):
+                bar.clear()
+                if isinstance(ev.exc, UserError):
+                    raise ev.exc
+                raise RuntimeError(ev.message) from ev.exc
+    except KeyboardInterrupt:
+        cancel.set()
+        for _ in events:  # let the engine stop at the next chunk or token
+            pass
+        bar.clear()
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return EXIT_FAIL
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _check_flags(args)
+        if args.command == "ask":
+            return run_ask(args)
+        if args.command == "fetch-model":
+            from localchat.engine.default_model import ensure_default_model
+
+            print(ensure_default_model())
+            return EXIT_OK
+        from localchat.chat import run_chat
+
+        return run_chat(args, _settings(args))
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"localchat: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, no traceback
+        if args.debug:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"localchat: failed: {first} (run with --debug for details)", file=sys.stderr)
+        return EXIT_FAIL

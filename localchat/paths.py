@@ -1,0 +1,31 @@
+"""Where localchat keeps things on disk (platformdirs), with LOCALCHAT_* overrides for tests and CI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "localchat"
+
+
+def _dir(env: str, default: str) -> Path:
+    path = Path(os.environ.get(env) or default).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_dir() -> Path:
+    """Model downloads and converted weights."""
+    return _dir("LOCALCHAT_CACHE_DIR", platformdirs.user_cache_dir(APP))
+
+
+def data_dir() -> Path:
+    """Chats and saved compressed sessions."""
+    return _dir("LOCALCHAT_DATA_DIR", platformdirs.user_data_dir(APP))
+
+
+def config_dir() -> Path:
+    """config.toml and tuned profiles."""
+    return _dir("LOCALCHAT_CONFIG_DIR", platformdirs.user_config_dir(APP))

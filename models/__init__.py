@@ -1,0 +1,1 @@
+"""Model cards (TOML) and trained retaining heads; installed as localchat.models."""

