@@ -22,6 +22,8 @@ def test_wheel_ships_data_inside_the_package(tmp_path):
     assert "localchat/models/smollm2-135m-instruct.toml" in names
     assert "localchat/builtin_profiles/__init__.py" in names
     assert "localchat/engine/engine.py" in names and "localchat/cli.py" in names
+    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "localchat").rglob("*.py")}
+    assert sources <= names, f"modules missing from the wheel: {sorted(sources - names)}"
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"localchat", next(t for t in tops if t.endswith(".dist-info"))}, tops
     entry = next(n for n in names if n.endswith("entry_points.txt"))
