@@ -18,10 +18,11 @@ HELP = "commands: /attach PATH  /new  /help  /quit   (paste a file path to attac
 
 
 def run_chat(args, settings, stdin=sys.stdin, stdout=sys.stdout) -> int:
-    from localchat.engine.engine import Engine
+    from localchat.cli import load_engine
 
-    engine = Engine.load(args.model, chunk=args.chunk)
-    print(f"localchat — {engine.name} on {engine.device.type}. {HELP}", file=stdout, flush=True)
+    engine = load_engine(args)
+    print(f"localchat — {engine.name} on {engine.device.type}, policy {engine.policy.name}. {HELP}",
+          file=stdout, flush=True)
     messages: list[dict] = []
     pending: list[Document] = []
     max_bytes = int(args.max_file_mb * 1024 * 1024)

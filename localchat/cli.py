@@ -26,6 +26,14 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--top-p", type=float, default=d(1.0), help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, default=d(0), help="sampling seed (default 0)")
     p.add_argument("--max-file-mb", type=float, default=d(64), help="largest document accepted (default 64 MB)")
+    p.add_argument("--policy", default=d(None),
+                   help="KV eviction policy (`localchat policies`; default: locret when the model has heads, else full)")
+    p.add_argument("--budget", "-b", type=int, default=d(None), help="units kept per KV head per layer (b)")
+    p.add_argument("--stabilizers", type=int, default=d(None), help="LOCRET n_s: newest units protected per chunk")
+    p.add_argument("--local", type=int, default=d(None), help="n_loc: last prompt tokens never evicted")
+    p.add_argument("--positions", choices=["compact", "original"], default=d(None),
+                   help="RoPE positions of kept units: their slots (compact, reads past the window) or true ones")
+    p.add_argument("--heads", default=d(None), help="retaining heads directory, or `random` (ablation)")
     p.add_argument("--debug", action="store_true", default=d(False), help="show Python tracebacks")
 
 
@@ -44,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(chat, sub=True)
 
     sub.add_parser("fetch-model", help="fetch and convert the embedded default model now (once)")
+    sub.add_parser("policies", help="list the KV-cache policies")
     return parser
 
 
@@ -57,9 +66,33 @@ def _settings(args):
 def _check_flags(args) -> None:
     if args.chunk is not None and args.chunk < 1:
         raise UserError(f"--chunk must be at least 1 (got {args.chunk})")
+    for flag in ("budget", "stabilizers", "local"):
+        value = getattr(args, flag)
+        if value is not None and value < (1 if flag == "budget" else 0):
+            raise UserError(f"--{flag} must be {'at least 1' if flag == 'budget' else '>= 0'} (got {value})")
     if args.max_file_mb <= 0:
         raise UserError(f"--max-file-mb must be positive (got {args.max_file_mb})")
     _settings(args).validate()
+
+
+def load_engine(args):
+    """The engine with the policy the flags ask for (card defaults fill the gaps)."""
+    from localchat.engine.engine import Engine
+    from localchat.engine.policy_setup import policy_for
+
+    engine = Engine.load(args.model, chunk=args.chunk, positions=args.positions)
+    engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
+                                 local=args.local, heads=args.heads), args.positions)
+    return engine
+
+
+def run_policies() -> int:
+    from localchat.engine.policies import POLICIES
+
+    width = max(map(len, POLICIES))
+    for name, cls in POLICIES.items():
+        print(f"{name:<{width}}  {cls.summary}")
+    return EXIT_OK
 
 
 def run_ask(args) -> int:
@@ -72,7 +105,7 @@ def run_ask(args) -> int:
         raise UserError("the question is empty; put it in quotes after `ask`")
     # Read every document before loading the model, so a bad path fails fast.
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
-    engine = Engine.load(args.model, chunk=args.chunk)
+    engine = load_engine(args)
     messages = [{"role": "user", "content": user_turn(args.question, docs)}]
     cancel = threading.Event()
     bar = ProgressBar()
@@ -111,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         _check_flags(args)
         if args.command == "ask":
             return run_ask(args)
+        if args.command == "policies":
+            return run_policies()
         if args.command == "fetch-model":
             from localchat.engine.default_model import ensure_default_model
 

@@ -1,8 +1,15 @@
-"""The engine's KV cache, on transformers' public Cache / cache-layer API.
+"""The engine's evicting KV cache, on transformers' public Cache / cache-layer API.
 
-Each layer keeps keys and values as `[1, H_kv, n, d]` views into a buffer with spare room, so adding a
-chunk or a decoded token writes in place instead of re-copying the whole cache (DynamicLayer
-concatenates, which costs O(n) per decoded token). Never stored at query-head granularity.
+Per layer: keys and values `[1, H_kv, n, d]`, a score per unit `[H_kv, n]` and the original position
+of each unit `[H_kv, n]`. Every KV head keeps the same count while heads keep different tokens; an
+eviction is one sorted gather per tensor. Never stored at query-head granularity.
+
+Storage is a buffer with spare room, so a chunk or a decoded token is written in place instead of
+re-copying the cache (transformers' DynamicLayer concatenates: O(n) per decoded token).
+
+Positions: in `original` mode a key keeps the RoPE rotation of its true position. In `compact` mode
+a key sits at the RoPE position of its slot; after an eviction each kept key is rotated by its slot
+shift (equivalent to LOCRET's pre-RoPE cache re-rotated every forward, and cheaper).
 """
 
 from __future__ import annotations
@@ -10,20 +17,27 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from localchat.engine.rope import shift_keys
+
+POSITION_MODES = ("compact", "original")
+
 
 class KVLayer(DynamicLayer):
-    """One layer: `keys`/`values` are `[1, H_kv, n, d]` views of `_k`/`_v` (`[1, H_kv, capacity, d]`)."""
+    """`keys`/`values` are `[1, H_kv, n, d]` views of `_k`/`_v` (`[1, H_kv, capacity, d]`)."""
 
     def __init__(self, reserve: int = 0):
         super().__init__()
-        self.reserve = reserve  # expected final length; the first allocation takes it
+        self.reserve = reserve  # expected peak length; the first allocation takes it
         self.n = 0
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        self._k = self._v = None
+        self._s: torch.Tensor | None = None  # [H, capacity] float32 scores
+        self._p: torch.Tensor | None = None  # [H, capacity] int64 original positions
+        self.pending_positions: torch.Tensor | None = None  # [T] original positions of the next update
+
+    # --- storage -------------------------------------------------------------------------------
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._k = self._v = None
         self.n = 0
 
     def _ensure(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
@@ -34,28 +48,64 @@ class KVLayer(DynamicLayer):
         b, h, _, dk = like_k.shape
         k = like_k.new_empty((b, h, new_cap, dk))
         v = like_v.new_empty((b, h, new_cap, like_v.shape[-1]))
+        s = torch.zeros((h, new_cap), dtype=torch.float32, device=like_k.device)
+        p = torch.zeros((h, new_cap), dtype=torch.long, device=like_k.device)
         if self.n:
             k[:, :, : self.n] = self._k[:, :, : self.n]
             v[:, :, : self.n] = self._v[:, :, : self.n]
-        self._k, self._v = k, v
+            s[:, : self.n] = self._s[:, : self.n]
+            p[:, : self.n] = self._p[:, : self.n]
+        self._k, self._v, self._s, self._p = k, v, s, p
 
     def _publish(self) -> None:
         self.keys = self._k[:, :, : self.n]
         self.values = self._v[:, :, : self.n]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """`[H_kv, n]` float32, writable in place."""
+        return self._s[:, : self.n]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """`[H_kv, n]` original token positions."""
+        return self._p[:, : self.n]
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[-2]
         self._ensure(self.n + t, key_states, value_states)
-        self._k[:, :, self.n : self.n + t] = key_states
-        self._v[:, :, self.n : self.n + t] = value_states
-        self.n += t
+        end = self.n + t
+        self._k[:, :, self.n : end] = key_states
+        self._v[:, :, self.n : end] = value_states
+        self._s[:, self.n : end] = 0.0
+        pos = self.pending_positions
+        self._p[:, self.n : end] = pos if pos is not None else torch.arange(self.n, end, device=self._p.device)
+        self.n = end
         self._publish()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self.n
+
+    # --- eviction ------------------------------------------------------------------------------
+
+    def keep(self, idx: torch.Tensor, inv_freq: torch.Tensor | None = None) -> None:
+        """Keep units `idx` (`[H_kv, k]`, ascending per head). With `inv_freq`, move keys to their new slots."""
+        k = idx.shape[-1]
+        gather = idx[None, :, :, None]
+        keys = torch.gather(self.keys, 2, gather.expand(-1, -1, -1, self._k.shape[-1]))
+        values = torch.gather(self.values, 2, gather.expand(-1, -1, -1, self._v.shape[-1]))
+        if inv_freq is not None:
+            delta = torch.arange(k, device=idx.device)[None, :] - idx
+            keys = shift_keys(keys, delta, inv_freq)
+        self._s[:, :k] = torch.gather(self.scores, 1, idx)
+        self._p[:, :k] = torch.gather(self.positions, 1, idx)
+        self._k[:, :, :k] = keys
+        self._v[:, :, :k] = values
+        self.n = k
+        self._publish()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -65,22 +115,40 @@ class KVLayer(DynamicLayer):
             self._publish()
 
     def reset(self) -> None:
-        self._k = self._v = None
+        self._k = self._v = self._s = self._p = None
         self.n = 0
         super().reset()
 
     def nbytes(self) -> int:
-        """Bytes of the units held (not of the spare room)."""
+        """Bytes of the K/V units held (not the spare room, not the scores)."""
         if self._k is None:
             return 0
-        return self.n * self._k[0, :, 0].numel() * self._k.element_size() * 2
+        per_unit = self._k.shape[1] * (self._k.shape[-1] * self._k.element_size() + self._v.shape[-1] * self._v.element_size())
+        return self.n * per_unit
 
 
 class KVCache(Cache):
-    """A cache of `num_layers` KVLayer objects, all reserving room for `reserve` units up front."""
+    """`num_layers` KVLayer objects; `positions` is "compact" or "original" (see the module doc)."""
 
-    def __init__(self, num_layers: int, reserve: int = 0):
+    def __init__(self, num_layers: int, reserve: int = 0, positions: str = "original", inv_freq=None):
+        if positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}")
+        if positions == "compact" and inv_freq is None:
+            raise ValueError("compact positions need the model's RoPE inv_freq")
         super().__init__(layers=[KVLayer(reserve) for _ in range(num_layers)])
+        self.positions = positions
+        self.inv_freq = inv_freq
+
+    def set_pending_positions(self, positions: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.pending_positions = positions
+
+    def next_position(self, true_position: int) -> int:
+        """The RoPE position the next token gets: its slot (compact) or its true position (original)."""
+        return self.get_seq_length() if self.positions == "compact" else true_position
+
+    def keep(self, layer_idx: int, idx: torch.Tensor) -> None:
+        self.layers[layer_idx].keep(idx, self.inv_freq if self.positions == "compact" else None)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -13,11 +13,13 @@ from collections.abc import Iterator
 import torch
 
 from localchat.engine import loading
-from localchat.engine.cache import KVCache
+from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Token
+from localchat.engine.policies import Policy, make_policy
 from localchat.engine.prefill import Cancelled, forward, prefill
+from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings, pick_token
 from localchat.errors import UserError
 
@@ -27,21 +29,30 @@ END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<
 
 class Engine:
     def __init__(self, model, tokenizer, *, name: str = "model", card: ModelCard | None = None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, policy: Policy | None = None, positions: str | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.card = card
         self.chunk = chunk or int((card.locret.get("chunk") if card else 0) or DEFAULT_CHUNK)
+        self.set_policy(policy or make_policy("full"), positions)
         self.device = next(model.parameters()).device
         self.window = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.stop_ids = self._stop_ids()
 
     @classmethod
     def load(cls, spec: str | None = None, *, chunk: int | None = None, device: torch.device | None = None,
-             say=loading._stderr) -> "Engine":
+             policy: Policy | None = None, positions: str | None = None, say=loading._stderr) -> "Engine":
         loaded = loading.load(spec, device=device, say=say)
-        return cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk)
+        return cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk,
+                   policy=policy, positions=positions)
+
+    def set_policy(self, policy: Policy, positions: str | None = None) -> None:
+        """Use `policy`; positions default to compact for evicting policies, original otherwise."""
+        positions = positions or ("compact" if policy.evicts else "original")
+        if positions not in POSITION_MODES:
+            raise UserError(f"unknown position mode {positions!r}; choose one of: {', '.join(POSITION_MODES)}")
+        self.policy, self.positions = policy, positions
 
     # --- prompts -------------------------------------------------------------------------------
 
@@ -95,11 +106,26 @@ class Engine:
         except torch.OutOfMemoryError as exc:
             yield Error(f"out of memory while generating; try a smaller --chunk or a shorter document", exc)
 
+    @property
+    def compressing(self) -> bool:
+        """True when positions stay bounded by the budget (compact positions with an evicting policy)."""
+        return self.policy.evicts and self.positions == "compact"
+
     def _check_window(self, n_prompt: int) -> None:
-        if self.window and n_prompt >= self.window:
+        if not self.window:
+            return
+        if self.compressing:
+            peak = self.policy.budget + self.chunk + self.policy.local
+            if peak >= self.window:
+                raise UserError(
+                    f"budget + chunk + local = {peak} positions do not fit {self.name}'s window of {self.window}; "
+                    f"lower --budget or --chunk"
+                )
+        elif n_prompt >= self.window:
             raise UserError(
-                f"the prompt is {n_prompt} tokens but {self.name} reads at most {self.window}; "
-                f"shorten the document or ask about a part of it"
+                f"the prompt is {n_prompt} tokens but {self.name} reads at most {self.window} with "
+                f"{self.policy.name} attention at {self.positions} positions; use --policy locret "
+                f"--positions compact, or shorten the document"
             )
 
     @torch.inference_mode()
@@ -107,9 +133,11 @@ class Engine:
                   cancel: threading.Event | None) -> Iterator[Event]:
         n = len(prompt_ids)
         max_new = settings.max_new_tokens
-        if self.window:
-            max_new = min(max_new, self.window - n)
-        cache = KVCache(self.model.config.num_hidden_layers, reserve=n + max_new)
+        p = self.policy
+        reserve = p.budget + self.chunk + p.local + max_new if p.evicts else n + max_new
+        inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
+        cache = KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
+                        inv_freq=inv_freq)
         ids = torch.tensor([prompt_ids], device=self.device)
         decoder = StreamDecoder(self.tokenizer)
         gen = torch.Generator(device="cpu").manual_seed(settings.seed)
@@ -117,11 +145,14 @@ class Engine:
         prefill_s = decode_s = ttft = 0.0
         new = 0
         reason = "length"
+        p.attach(self.model, cache)
         try:
-            logits = yield from prefill(self.model, cache, ids, chunk=self.chunk, cancel=cancel)
+            logits = yield from prefill(self.model, cache, ids, chunk=self.chunk, policy=p, cancel=cancel)
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             pos = n
+            if self.window:  # the RoPE positions still free in the model's window
+                max_new = min(max_new, self.window - cache.next_position(n))
             while new < max_new:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled
@@ -135,7 +166,9 @@ class Engine:
                 yield Token(decoder.push(tok), tok)
                 if new == max_new:
                     break
-                logits = forward(self.model, cache, torch.tensor([[tok]], device=self.device), pos)
+                step = torch.tensor([[tok]], device=self.device)
+                logits = forward(self.model, cache, step, pos)
+                p.observe(cache, 1, step)  # answer tokens get scores too (multi-turn keeps them)
                 pos += 1
             decode_s = time.perf_counter() - t1
         except Cancelled:
@@ -144,6 +177,8 @@ class Engine:
                 prefill_s = time.perf_counter() - t0
             else:
                 decode_s = time.perf_counter() - t1
+        finally:
+            p.detach()
         yield Done(
             text=decoder.text(), prompt_tokens=n, new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
             ttft_s=ttft, stop_reason=reason, kv_tokens=cache.get_seq_length(), kv_bytes=cache.nbytes(),

@@ -1,8 +1,10 @@
-"""Chunked prefill and decoding steps on a KVCache, with progress and cancellation.
+"""Chunked prefill with eviction (LOCRET's Algorithm 1 for any policy) and decoding steps.
 
-Positions are always passed explicitly (`position_ids`); transformers 5 derives the causal mask from
-the cache length, so the current chunk's queries see every cached unit plus their own causal prefix.
-Only the last position's logits are computed (`logits_to_keep=1`).
+Positions are always passed explicitly: each forward tells the cache the true positions of its
+tokens (stored per unit) and gives the model `position_ids` = the true positions (`original`) or
+the slots the tokens land in (`compact`). transformers 5 derives the causal mask from the cache
+length, so a chunk's queries see every kept unit plus their own causal prefix. Only the last
+position's logits are computed (`logits_to_keep=1`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 
 from localchat.engine.cache import KVCache
 from localchat.engine.events import Progress
+from localchat.engine.policies.base import Policy
 
 
 class Cancelled(Exception):
-    """Raised inside the loops when the cancel event is set; the engine turns it into Done(cancelled)."""
+    """Raised between chunks or tokens when the cancel event is set."""
 
 
 @dataclass
@@ -28,14 +31,37 @@ class ChunkReport:
 
     start: int
     end: int
+    evicted: bool
+    kept: int  # units per KV head per layer after this step
 
 
-def forward(model, cache: KVCache, ids: torch.Tensor, first_pos: int) -> torch.Tensor:
-    """Run `ids` (`[1, T]`) at positions first_pos.. on top of the cache; return last-position logits `[vocab]`."""
+def forward(model, cache: KVCache, ids: torch.Tensor, true_first: int) -> torch.Tensor:
+    """Run `ids` (`[1, T]`) whose true positions start at `true_first`; return last logits `[vocab]`."""
     t = ids.shape[-1]
-    position_ids = torch.arange(first_pos, first_pos + t, device=ids.device).unsqueeze(0)
+    cache.set_pending_positions(torch.arange(true_first, true_first + t, device=ids.device))
+    first = cache.next_position(true_first)
+    position_ids = torch.arange(first, first + t, device=ids.device).unsqueeze(0)
     out = model(input_ids=ids, past_key_values=cache, position_ids=position_ids, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]
+
+
+def evict(cache: KVCache, policy: Policy, last_chunk: bool) -> bool:
+    """Keep the top-`budget` units per KV head of every layer, in temporal order. True if it evicted."""
+    if cache.get_seq_length() <= policy.budget:
+        return False
+    for i, layer in enumerate(cache.layers):
+        prio = policy.priority(layer, i, last_chunk)
+        keep = prio.topk(policy.budget, dim=-1).indices.sort(dim=-1).values
+        cache.keep(i, keep)
+    return True
+
+
+def plan_steps(n: int, chunk: int, local: int) -> list[tuple[int, int, bool, bool]]:
+    """(start, end, evict_after, last_chunk) for a prompt of n tokens: chunks of the head, then the tail."""
+    head_end = max(0, n - local)
+    steps = [(s, min(s + chunk, head_end), True, min(s + chunk, head_end) >= head_end) for s in range(0, head_end, chunk)]
+    steps += [(s, min(s + chunk, n), False, False) for s in range(head_end, n, chunk)]
+    return steps
 
 
 def prefill(
@@ -44,26 +70,32 @@ def prefill(
     ids: torch.Tensor,
     *,
     chunk: int,
+    policy: Policy | None = None,
     first_pos: int = 0,
     cancel: threading.Event | None = None,
     on_chunk: Callable[[ChunkReport], None] | None = None,
 ) -> Generator[Progress, None, torch.Tensor]:
-    """Feed `ids` (`[1, n]`) in chunks; yield Progress after each chunk; return the last logits `[vocab]`.
+    """Feed `ids` (`[1, n]`) in chunks, evicting after each chunk of the head when the policy evicts.
 
-    Raises Cancelled between chunks when `cancel` is set.
+    Yields Progress after each step; returns the last logits `[vocab]`. Raises Cancelled between steps.
     """
     n = ids.shape[-1]
     if n == 0:
         raise ValueError("prefill needs at least one token")
+    evicting = policy is not None and policy.evicts
+    steps = plan_steps(n, chunk, policy.local if evicting else 0)
     t0 = time.perf_counter()
     logits = None
-    for start in range(0, n, chunk):
+    for start, end, evict_after, last in steps:
         if cancel is not None and cancel.is_set():
             raise Cancelled
-        end = min(start + chunk, n)
-        logits = forward(model, cache, ids[:, start:end], first_pos + start)
+        piece = ids[:, start:end]
+        logits = forward(model, cache, piece, first_pos + start)
+        if policy is not None:
+            policy.observe(cache, end - start, piece)
+        evicted = evicting and evict_after and evict(cache, policy, last)
         if on_chunk is not None:
-            on_chunk(ChunkReport(start, end))
+            on_chunk(ChunkReport(start, end, evicted, cache.get_seq_length()))
         elapsed = time.perf_counter() - t0
         tps = end / elapsed if elapsed > 0 else 0.0
         yield Progress(done=end, total=n, tokens_per_s=tps, eta_s=(n - end) / tps if tps > 0 else None)

@@ -1,0 +1,136 @@
+"""LOCRET retaining heads: one small MLP per layer that scores each cache unit once, at insertion.
+
+R(x_k) = fc2(act(fc1([Q_k | K_k | V_k])))  with Q, K, V the pre-RoPE projections of token k (bias
+included), fc1: (H_q + 2·H_kv)·d_head -> d_R and fc2: d_R -> H_kv, no biases, act = the model's
+hidden_act (specs/locret.md §2.3). Weights are safetensors with a JSON config next to them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.activations import ACT2FN
+
+WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
+
+
+def attention_modules(model) -> list[nn.Module]:
+    """The self-attention module of every decoder layer (Llama / Qwen / Mistral / Phi-3 layouts)."""
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def head_shape(model) -> dict:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "layers": cfg.num_hidden_layers,
+        "q_heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim,
+        "act": cfg.hidden_act,
+    }
+
+
+class RetainingHead(nn.Module):
+    def __init__(self, in_dim: int, d_r: int, kv_heads: int, act: str):
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, d_r, bias=False)
+        self.act = ACT2FN[act]
+        self.fc2 = nn.Linear(d_r, kv_heads, bias=False)
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        """`qkv` `[T, (H_q + 2·H_kv)·d]` -> scores `[T, H_kv]`."""
+        return self.fc2(self.act(self.fc1(qkv)))
+
+
+class RetainingHeads(nn.Module):
+    def __init__(self, shape: dict, d_r: int = 1024, meta: dict | None = None):
+        super().__init__()
+        self.shape = dict(shape)
+        self.d_r = d_r
+        self.meta = dict(meta or {})
+        in_dim = (shape["q_heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
+        self.layers = nn.ModuleList(
+            RetainingHead(in_dim, d_r, shape["kv_heads"], shape["act"]) for _ in range(shape["layers"])
+        )
+
+    @classmethod
+    def random(cls, model, d_r: int = 1024, seed: int = 0) -> "RetainingHeads":
+        """Untrained heads (the paper's ablation: eviction by noise)."""
+        torch.manual_seed(seed)
+        return cls(head_shape(model), d_r, {"kind": "random", "seed": seed})
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, directory / WEIGHTS)
+        config = {"shape": self.shape, "d_r": self.d_r, **self.meta}
+        (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "RetainingHeads":
+        from localchat.errors import UserError
+
+        directory = Path(directory)
+        try:
+            config = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
+            tensors = load_file(directory / WEIGHTS)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot read retaining heads in {directory}: {exc}") from exc
+        shape, d_r = config.pop("shape"), config.pop("d_r")
+        heads = cls(shape, d_r, config)
+        missing, unexpected = heads.load_state_dict(tensors, strict=False)
+        if missing or unexpected:  # untrained heads evict at random: never load them silently
+            raise UserError(f"retaining heads in {directory} do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        return heads
+
+    def check_fits(self, model) -> None:
+        from localchat.errors import UserError
+
+        if head_shape(model) != self.shape:
+            raise UserError(f"these retaining heads were made for shape {self.shape}, not {head_shape(model)}")
+
+
+class HeadScorer:
+    """Forward hooks on q/k/v projections; after a forward, `take(i)` gives layer i's new scores `[H_kv, T]`."""
+
+    def __init__(self, model, heads: RetainingHeads):
+        heads.check_fits(model)
+        p = next(model.parameters())
+        self.heads = heads.to(device=p.device, dtype=p.dtype if p.dtype != torch.float16 else torch.float32)
+        self.heads.eval().requires_grad_(False)
+        self.new: list[torch.Tensor | None] = [None] * len(heads.layers)
+        self.handles = []
+        for i, attn in enumerate(attention_modules(model)):
+            self.handles += self._hook(i, attn)
+
+    def _hook(self, i: int, attn: nn.Module):
+        parts: dict[str, torch.Tensor] = {}
+
+        def grab(name):
+            def hook(module, args, out):
+                parts[name] = out
+                if name in ("v", "qkv"):
+                    qkv = out if name == "qkv" else torch.cat([parts["q"], parts["k"], out], dim=-1)
+                    x = qkv[0].to(next(self.heads.parameters()).dtype)
+                    self.new[i] = self.heads.layers[i](x).T.float()  # [H_kv, T]
+                    parts.clear()
+            return hook
+
+        if hasattr(attn, "qkv_proj"):
+            return [attn.qkv_proj.register_forward_hook(grab("qkv"))]
+        return [getattr(attn, f"{n}_proj").register_forward_hook(grab(n)) for n in ("q", "k", "v")]
+
+    def take(self, i: int) -> torch.Tensor:
+        scores, self.new[i] = self.new[i], None
+        return scores
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

@@ -1,0 +1,19 @@
+"""Eviction policies, one module each, and the registry `POLICIES` (name -> Policy class)."""
+
+from localchat.engine.policies.base import Policy
+from localchat.engine.policies.full import Full
+from localchat.engine.policies.locret import Locret
+from localchat.engine.policies.random import Random
+from localchat.engine.policies.streaming import Streaming
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Locret, Full, Streaming, Random)}
+
+
+def make_policy(name: str, **settings) -> Policy:
+    from localchat.errors import UserError
+
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise UserError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    fields = cls.__dataclass_fields__
+    return cls(**{k: v for k, v in settings.items() if k in fields and v is not None})

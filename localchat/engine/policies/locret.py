@@ -1,0 +1,44 @@
+"""LOCRET (Huang et al., 2024, "Locret: Enhancing Eviction in Long-Context LLM Inference with Trained
+Retaining Heads"; specs/locret.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from localchat.engine.heads import HeadScorer, RetainingHeads
+from localchat.engine.policies.base import Policy, protect_recent
+
+
+@dataclass
+class Locret(Policy):
+    """Retaining heads score each unit once, from its own pre-RoPE Q, K, V: `[H_kv, T]` per layer.
+
+    After every chunk but the last, the newest `stabilizers` units are protected (on a copy of the
+    scores); the top-`budget` per KV head are kept in temporal order. The last `local` prompt tokens
+    skip the loop. Defaults (SmolLM2 card): budget 1024, stabilizers 256, local 96; the paper uses
+    b=16384, n_s=2500, n_loc=100 for Llama-3.1-8B.
+    """
+
+    name = "locret"
+    summary = "LOCRET: trained retaining heads score each unit; keep the top budget (default)"
+    stabilizers: int = 256
+    heads: RetainingHeads | None = field(default=None, repr=False)
+
+    def attach(self, model, cache) -> None:
+        super().attach(model, cache)
+        if self.heads is None:
+            from localchat.errors import UserError
+
+            raise UserError("LOCRET needs retaining heads for this model; pass --heads DIR (or --heads random)")
+        self.scorer = HeadScorer(model, self.heads)
+
+    def observe(self, cache, n_new, ids) -> None:
+        for i, layer in enumerate(cache.layers):
+            layer.scores[:, -n_new:] = self.scorer.take(i)[:, -n_new:]
+
+    def priority(self, layer, layer_idx, last_chunk):
+        prio = layer.scores.clone()
+        return prio if last_chunk else protect_recent(prio, self.stabilizers)
+
+    def detach(self) -> None:
+        self.scorer.close()

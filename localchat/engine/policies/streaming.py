@@ -1,0 +1,23 @@
+"""StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks")."""
+
+from dataclasses import dataclass
+
+from localchat.engine.policies.base import Policy, protect_first
+
+
+@dataclass
+class Streaming(Policy):
+    """Keep the first `sinks` tokens and the most recent `budget - sinks` units.
+
+    Score of a unit = its original position `[H_kv, n]` (newer is better); sinks are protected.
+    Defaults: budget 1024, sinks 4 (RoCo's and CORM's setting), local 96. Use with compact positions
+    for the paper's pos-shift.
+    """
+
+    name = "streaming"
+    summary = "StreamingLLM: attention sinks + the most recent tokens"
+    sinks: int = 4
+
+    def priority(self, layer, layer_idx, last_chunk):
+        prio = layer.positions.float()
+        return protect_first(prio, layer.positions, self.sinks)

@@ -1,0 +1,49 @@
+"""Build a policy for an engine from user settings, the model card's defaults and the shipped heads."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from localchat.engine.heads import WEIGHTS, RetainingHeads
+from localchat.engine.policies import Policy, make_policy
+from localchat.errors import UserError
+
+
+def shipped_heads_dir(engine) -> Path | None:
+    """models/<card id>/ inside the package, if it holds trained heads for this model."""
+    if engine.card is None:
+        return None
+    directory = Path(str(resources.files("localchat.models") / engine.card.id))
+    return directory if (directory / WEIGHTS).exists() else None
+
+
+def load_heads(engine, heads: str | None) -> RetainingHeads:
+    if heads == "random":
+        return RetainingHeads.random(engine.model)
+    directory = Path(heads).expanduser() if heads else shipped_heads_dir(engine)
+    if directory is None:
+        raise UserError(
+            f"no trained retaining heads ship for {engine.name}; train them with `localchat train-heads`, "
+            f"pass --heads DIR, or --heads random (an ablation), or choose another --policy"
+        )
+    return RetainingHeads.load(directory)
+
+
+def policy_for(engine, name: str | None, *, budget: int | None = None, stabilizers: int | None = None,
+               local: int | None = None, heads: str | None = None) -> Policy:
+    """`name` defaults to locret when trained heads exist for the model (or --heads is given), else full."""
+    if name is None:
+        name = "locret" if heads or shipped_heads_dir(engine) else "full"
+    card = engine.card.locret if engine.card else {}
+    settings = {
+        "budget": budget if budget is not None else card.get("budget"),
+        "stabilizers": stabilizers if stabilizers is not None else card.get("stabilizers"),
+        "local": local if local is not None else card.get("local"),
+    }
+    if name == "locret":
+        settings["heads"] = load_heads(engine, heads)
+    policy = make_policy(name, **settings)
+    if policy.evicts and getattr(policy, "stabilizers", 0) >= policy.budget:
+        raise UserError(f"--stabilizers ({policy.stabilizers}) must be below --budget ({policy.budget})")
+    return policy
