@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="answer one question (documents optional) and stream it to stdout")
     ask.add_argument("question", help="the question")
     ask.add_argument("--file", "-f", action="append", default=[], metavar="F", help="a document (repeatable)")
+    ask.add_argument("--stats", action="store_true", help="print speed and KV-cache figures to stderr at the end")
     _model_flags(ask, sub=True)
 
     chat = sub.add_parser("chat", help="a plain line-by-line chat in this terminal (the default command)")
@@ -86,6 +87,16 @@ def load_engine(args):
     return engine
 
 
+def stats_line(engine, done) -> str:
+    mib = 1024 * 1024
+    return (
+        f"[{engine.policy.name}, {engine.positions} positions] read {done.prompt_tokens:,} tokens at "
+        f"{done.prefill_tps:,.0f} tok/s; kept {done.kv_tokens:,} units per KV head per layer "
+        f"({done.kv_bytes / mib:,.1f} MiB, {done.compression:.1f}x smaller than full); "
+        f"wrote {done.new_tokens} tokens at {done.decode_tps:,.1f} tok/s"
+    )
+
+
 def run_policies() -> int:
     from localchat.engine.policies import POLICIES
 
@@ -121,6 +132,8 @@ def run_ask(args) -> int:
             elif isinstance(ev, Done):
                 bar.clear()
                 sys.stdout.write("\n")
+                if args.stats:
+                    print(stats_line(engine, ev), file=sys.stderr)
                 return EXIT_OK
             elif isinstance(ev, Error):
                 bar.clear()

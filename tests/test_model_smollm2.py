@@ -45,3 +45,17 @@ def test_ask_finds_the_pass_key_in_a_6k_document(smollm2, tmp_path, capsys):
     assert main(["ask", "--file", str(doc), "--max-new-tokens", "24", "What is the pass key?"]) == 0
     out = capsys.readouterr().out
     assert score_passkey(sample, out), out
+
+
+def test_a_20k_document_past_the_window_reads_in_compact_mode_within_budget(smollm2, tmp_path, capsys):
+    sample = passkey(smollm2.tokenizer, 20000, seed=11, depth=0.9)
+    assert sample.n_tokens > 2 * smollm2.window
+    doc = tmp_path / "long.txt"
+    doc.write_text(sample.document)
+    argv = ["ask", "--file", str(doc), "--policy", "locret", "--heads", "random", "--budget", "1024",
+            "--positions", "compact", "--max-new-tokens", "8", "--stats", "What is the pass key?"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    kept = int(err.split("kept ")[1].split(" units")[0].replace(",", ""))
+    assert kept <= 1024 + 96 + 8  # b + n_loc + generated, independent of the 20K prompt
+    assert "MiB" in err and "smaller than full" in err

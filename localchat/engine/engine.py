@@ -182,4 +182,5 @@ class Engine:
         yield Done(
             text=decoder.text(), prompt_tokens=n, new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
             ttft_s=ttft, stop_reason=reason, kv_tokens=cache.get_seq_length(), kv_bytes=cache.nbytes(),
+            kv_full_bytes=cache.nbytes() // max(cache.get_seq_length(), 1) * (n + max(new - 1, 0)),
         )

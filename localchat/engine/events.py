@@ -35,6 +35,11 @@ class Done:
     stop_reason: str  # "eos" | "length" | "cancelled"
     kv_tokens: int  # cache units per KV head per layer at the end
     kv_bytes: int
+    kv_full_bytes: int = 0  # what an uncompressed cache would hold for the same tokens
+
+    @property
+    def compression(self) -> float:
+        return self.kv_full_bytes / self.kv_bytes if self.kv_bytes else 1.0
 
     @property
     def prefill_tps(self) -> float:

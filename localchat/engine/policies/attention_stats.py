@@ -1,0 +1,98 @@
+"""Attention probabilities for attention-statistics policies (H2O, SnapKV), next to fast SDPA.
+
+A named attention function, "localchat_stats", is registered with transformers' public
+`AttentionInterface` (and `AttentionMaskInterface`, so it gets SDPA's causal masks). It returns
+transformers' own SDPA output unchanged and, when a `Collector` is installed on the attention module,
+also computes fp32 softmax probabilities for the last `rows` query rows of the chunk against every key:
+
+    query `[1, H_q, T, d]` (post-RoPE), key `[1, H_kv, n, d]` (un-repeated; this chunk's T units last)
+    probs `[H_q, w, n]`, w = min(rows, T); row r (slot n - w + r) sees the keys at slots <= n - w + r
+
+One `[H_q, w, n]` fp32 buffer is materialised (softmax in place). Query head h belongs to KV head
+h // (H_q // H_kv); `group_sum` reduces probabilities to `[H_kv, n]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from localchat.engine.heads import attention_modules
+
+STATS_IMPL = "localchat_stats"
+_ATTR = "_localchat_collector"
+
+
+@dataclass
+class Collector:
+    """`rows`: how many last query rows to score (None: all T); `callback(layer_idx, probs [H_q, w, n])`."""
+
+    rows: int | None
+    callback: Callable[[int, torch.Tensor], None]
+
+
+def window_probs(query: torch.Tensor, key: torch.Tensor, rows: int | None, scaling: float) -> torch.Tensor:
+    """Causal softmax `[H_q, w, n]` (fp32) of the last `rows` queries of `query` against all of `key`."""
+    h_q, t = query.shape[1], query.shape[2]
+    h_kv, n, d = key.shape[1], key.shape[2], key.shape[3]
+    w = t if rows is None else min(rows, t)
+    q = query[0, :, t - w :].float().reshape(h_kv, h_q // h_kv, w, d)
+    k = key[0].float()
+    logits = torch.einsum("hgwd,hnd->hgwn", q, k).reshape(h_q, w, n).mul_(scaling)
+    last_seen = torch.arange(n - w, n, device=key.device)[:, None]  # slot of each query row
+    future = torch.arange(n, device=key.device)[None, :] > last_seen  # [w, n]
+    logits.masked_fill_(future, float("-inf"))
+    # softmax in place: one [H_q, w, n] buffer (every row sees at least its own key, so max is finite)
+    logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(dim=-1, keepdim=True))
+
+
+def group_sum(probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum `[H_q, w, n]` over the window rows and each KV head's query group: `[H_kv, n]`."""
+    h_q, w, n = probs.shape
+    return probs.reshape(kv_heads, h_q // kv_heads, w, n).sum(dim=(1, 2))
+
+
+def stats_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA output; plus the collector's window probabilities for this layer when one is installed."""
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    collector: Collector | None = getattr(module, _ATTR, None)
+    if collector is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        collector.callback(module.layer_idx, window_probs(query, key, collector.rows, scale))
+    return out
+
+
+AttentionInterface.register(STATS_IMPL, stats_attention)
+AttentionMaskInterface.register(STATS_IMPL, sdpa_mask)
+
+
+class StatsHook:
+    """Switch `model` to "localchat_stats" with `collector` on every layer; `close()` restores the model.
+
+    While switched, attention outputs are SDPA's whatever the previous implementation (eager, flash).
+    """
+
+    def __init__(self, model, collector: Collector):
+        from localchat.errors import UserError
+
+        self.model = model
+        self.previous = model.config._attn_implementation
+        self.modules = attention_modules(model)
+        model.set_attn_implementation(STATS_IMPL)
+        if model.config._attn_implementation != STATS_IMPL:
+            raise UserError(f"{type(model).__name__} cannot switch its attention function; this policy needs it")
+        for m in self.modules:
+            setattr(m, _ATTR, collector)
+
+    def close(self) -> None:
+        for m in self.modules:
+            if hasattr(m, _ATTR):
+                delattr(m, _ATTR)
+        if self.model.config._attn_implementation != self.previous:
+            self.model.set_attn_implementation(self.previous)
