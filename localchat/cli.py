@@ -33,6 +33,8 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--local", type=int, default=d(None), help="n_loc: last prompt tokens never evicted")
     p.add_argument("--positions", choices=["compact", "original"], default=d(None),
                    help="RoPE positions of kept units: their slots (compact, reads past the window) or true ones")
+    p.add_argument("--decode-window", type=int, default=d(None),
+                   help="evict during long answers too, keeping budget + this many recent units (default off)")
     p.add_argument("--heads", default=d(None), help="retaining heads directory, or `random` (ablation)")
     p.add_argument("--debug", action="store_true", default=d(False), help="show Python tracebacks")
 
@@ -67,10 +69,10 @@ def _settings(args):
 def _check_flags(args) -> None:
     if args.chunk is not None and args.chunk < 1:
         raise UserError(f"--chunk must be at least 1 (got {args.chunk})")
-    for flag in ("budget", "stabilizers", "local"):
+    for flag in ("budget", "stabilizers", "local", "decode_window"):
         value = getattr(args, flag)
         if value is not None and value < (1 if flag == "budget" else 0):
-            raise UserError(f"--{flag} must be {'at least 1' if flag == 'budget' else '>= 0'} (got {value})")
+            raise UserError(f"--{flag.replace('_', '-')} must be {'at least 1' if flag == 'budget' else '>= 0'} (got {value})")
     if args.max_file_mb <= 0:
         raise UserError(f"--max-file-mb must be positive (got {args.max_file_mb})")
     _settings(args).validate()
@@ -83,7 +85,8 @@ def load_engine(args):
 
     engine = Engine.load(args.model, chunk=args.chunk, positions=args.positions)
     engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
-                                 local=args.local, heads=args.heads), args.positions)
+                                 local=args.local, heads=args.heads, decode_window=args.decode_window),
+                      args.positions)
     return engine
 
 

@@ -24,7 +24,8 @@ def test_chat_attaches_answers_and_survives_bad_input(tmp_path):
     ]) + "\n"
     out = io.StringIO()
     args = argparse.Namespace(model=str(model_dir), chunk=32, max_file_mb=1.0, policy=None, budget=None,
-                              stabilizers=None, local=None, positions=None, heads=None)
+                              stabilizers=None, local=None, positions=None, heads=None,
+                              decode_window=None)
     assert run_chat(args, GenerationSettings(max_new_tokens=4), stdin=io.StringIO(script), stdout=out) == 0
     text = out.getvalue()
     assert "attached my notes.txt: 17 tokens" in text

@@ -164,3 +164,25 @@ def test_every_policy_runs_on_a_3k_prompt(tiny_tok, name, positions):
         assert done.kv_tokens <= 256 + 32 + done.new_tokens
     else:
         assert done.kv_tokens == done.prompt_tokens + done.new_tokens - 1
+
+
+def test_decode_window_keeps_long_answers_bounded(tiny_tok):
+    model = tiny_llama(len(tiny_tok), window=4096)
+    engine = Engine(model, tiny_tok, chunk=64)
+    policy = make_policy("streaming", budget=96, local=16, decode_window=32)
+    engine.set_policy(policy, "compact")
+    sizes = []
+    real = policy.observe
+
+    def spy(cache, n_new, ids):
+        real(cache, n_new, ids)
+        sizes.append(cache.get_seq_length())
+
+    policy.observe = spy
+    done = list(engine.chat([{"role": "user", "content": "abc " * 100}], GenerationSettings(max_new_tokens=300, ignore_eos=True)))[-1]
+    assert done.new_tokens == 300
+    assert max(sizes) <= 96 + 2 * 32 and done.kv_tokens <= 96 + 2 * 32
+    off = make_policy("streaming", budget=96, local=16)
+    engine.set_policy(off, "compact")
+    done = list(engine.chat([{"role": "user", "content": "abc " * 100}], GenerationSettings(max_new_tokens=300, ignore_eos=True)))[-1]
+    assert done.kv_tokens == 96 + 16 + 299  # without the option the cache grows by one unit per token

@@ -18,7 +18,7 @@ from localchat.engine.cards import ModelCard
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Token
 from localchat.engine.policies import Policy, make_policy
-from localchat.engine.prefill import Cancelled, forward, prefill
+from localchat.engine.prefill import Cancelled, evict_while_decoding, forward, prefill
 from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings, pick_token
 from localchat.errors import UserError
@@ -115,7 +115,7 @@ class Engine:
         if not self.window:
             return
         if self.compressing:
-            peak = self.policy.budget + self.chunk + self.policy.local
+            peak = self.policy.budget + max(self.chunk, self.policy.local + 2 * self.policy.decode_window)
             if peak >= self.window:
                 raise UserError(
                     f"budget + chunk + local = {peak} positions do not fit {self.name}'s window of {self.window}; "
@@ -134,7 +134,8 @@ class Engine:
         n = len(prompt_ids)
         max_new = settings.max_new_tokens
         p = self.policy
-        reserve = p.budget + self.chunk + p.local + max_new if p.evicts else n + max_new
+        grow = min(max_new, 2 * p.decode_window) if p.decode_window else max_new
+        reserve = p.budget + self.chunk + p.local + grow if p.evicts else n + max_new
         inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
         cache = KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
                         inv_freq=inv_freq)
@@ -151,13 +152,13 @@ class Engine:
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             pos = n
-            if self.window:  # the RoPE positions still free in the model's window
+            if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
                 max_new = min(max_new, self.window - cache.next_position(n))
             while new < max_new:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled
                 tok = pick_token(logits, settings, gen)
-                if tok in self.stop_ids:
+                if tok in self.stop_ids and not settings.ignore_eos:
                     reason = "eos"
                     break
                 new += 1
@@ -169,6 +170,7 @@ class Engine:
                 step = torch.tensor([[tok]], device=self.device)
                 logits = forward(self.model, cache, step, pos)
                 p.observe(cache, 1, step)  # answer tokens get scores too (multi-turn keeps them)
+                evict_while_decoding(cache, p)
                 pos += 1
             decode_s = time.perf_counter() - t1
         except Cancelled:

@@ -31,7 +31,7 @@ def load_heads(engine, heads: str | None) -> RetainingHeads:
 
 
 def policy_for(engine, name: str | None, *, budget: int | None = None, stabilizers: int | None = None,
-               local: int | None = None, heads: str | None = None) -> Policy:
+               local: int | None = None, heads: str | None = None, decode_window: int | None = None) -> Policy:
     """`name` defaults to locret when trained heads exist for the model (or --heads is given), else full."""
     if name is None:
         name = "locret" if heads or shipped_heads_dir(engine) else "full"
@@ -40,6 +40,7 @@ def policy_for(engine, name: str | None, *, budget: int | None = None, stabilize
         "budget": budget if budget is not None else card.get("budget"),
         "stabilizers": stabilizers if stabilizers is not None else card.get("stabilizers"),
         "local": local if local is not None else card.get("local"),
+        "decode_window": decode_window,
     }
     if name == "locret":
         settings["heads"] = load_heads(engine, heads)

@@ -18,7 +18,7 @@ import torch
 
 from localchat.engine.cache import KVCache
 from localchat.engine.events import Progress
-from localchat.engine.policies.base import Policy
+from localchat.engine.policies.base import Policy, protect_recent
 
 
 class Cancelled(Exception):
@@ -45,15 +45,25 @@ def forward(model, cache: KVCache, ids: torch.Tensor, true_first: int) -> torch.
     return out.logits[0, -1]
 
 
-def evict(cache: KVCache, policy: Policy, last_chunk: bool) -> bool:
-    """Keep the top-`budget` units per KV head of every layer, in temporal order. True if it evicted."""
-    if cache.get_seq_length() <= policy.budget:
+def evict(cache: KVCache, policy: Policy, last_chunk: bool, recent: int = 0) -> bool:
+    """Keep the top-`budget` units per KV head of every layer (plus the `recent` newest), in temporal
+    order. True if it evicted."""
+    keep_n = policy.budget + recent
+    if cache.get_seq_length() <= keep_n:
         return False
     for i, layer in enumerate(cache.layers):
-        prio = policy.priority(layer, i, last_chunk)
-        keep = prio.topk(policy.budget, dim=-1).indices.sort(dim=-1).values
+        prio = protect_recent(policy.priority(layer, i, last_chunk), recent)
+        keep = prio.topk(keep_n, dim=-1).indices.sort(dim=-1).values
         cache.keep(i, keep)
     return True
+
+
+def evict_while_decoding(cache: KVCache, policy: Policy) -> bool:
+    """The decode-time option: at budget + 2·window units, keep the top-budget plus the newest window."""
+    w = policy.decode_window
+    if w <= 0 or not policy.evicts or cache.get_seq_length() < policy.budget + 2 * w:
+        return False
+    return evict(cache, policy, last_chunk=True, recent=w)
 
 
 def plan_steps(n: int, chunk: int, local: int) -> list[tuple[int, int, bool, bool]]:

@@ -13,6 +13,7 @@ class GenerationSettings:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     seed: int = 0
+    ignore_eos: bool = False  # benchmarks: always write max_new_tokens
 
     def validate(self) -> None:
         from localchat.errors import UserError

@@ -8,7 +8,9 @@ Life cycle during one generation (engine/prefill.py):
                                   to +inf; the cache keeps the top-`budget` per KV head, in order
   detach()                        after generation
 Eviction runs after each prefill chunk while the cache holds more than `budget` units per head, never
-on the local tail (`local` tokens) and never during decoding.
+on the local tail (`local` tokens), and during decoding only when `decode_window` > 0: then, each time
+the cache reaches budget + 2·decode_window, it keeps the newest `decode_window` units plus the
+top-`budget` of the rest (long answers stay bounded).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Policy:
     evicts: ClassVar[bool] = True
     budget: int = 1024  # b: units kept per KV head per layer after each chunk
     local: int = 96  # n_loc: last prompt tokens prefilled after the loop, never evicted
+    decode_window: int = 0  # > 0: evict during decoding, keeping budget + this many recent units
 
     def attach(self, model, cache) -> None:
         self.model = model
