@@ -59,3 +59,14 @@ def test_a_20k_document_past_the_window_reads_in_compact_mode_within_budget(smol
     kept = int(err.split("kept ")[1].split(" units")[0].replace(",", ""))
     assert kept <= 1024 + 96 + 8  # b + n_loc + generated, independent of the 20K prompt
     assert "MiB" in err and "smaller than full" in err
+
+
+def test_a_local_gguf_file_loads_through_the_conversion_cache(smollm2):
+    from localchat.engine.engine import Engine
+    from localchat.engine.events import Done
+
+    gguf = default_model.ensure_gguf(default_card())
+    engine = Engine.load(str(gguf))  # converted once into the cache (about 30 s), then reused
+    assert engine.card is None and engine.model.config.num_hidden_layers == 30
+    done = list(engine.chat([{"role": "user", "content": "What is the capital of France?"}]))[-1]
+    assert isinstance(done, Done) and "Paris" in done.text
