@@ -8,6 +8,7 @@ hidden_act (specs/locret.md §2.3). Weights are safetensors with a JSON config n
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ def attention_modules(model) -> list[nn.Module]:
 
 
 def head_shape(model) -> dict:
-    cfg = model.config
+    """The head-relevant shape of a model (or of a transformers config)."""
+    cfg = getattr(model, "config", model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return {
         "layers": cfg.num_hidden_layers,
@@ -64,10 +66,11 @@ class RetainingHeads(nn.Module):
         torch.manual_seed(seed)
         return cls(head_shape(model), d_r, {"kind": "random", "seed": seed})
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, dtype: torch.dtype = torch.float16) -> None:
+        """Weights as `dtype` (fp16 halves the shipped file; scores only rank units) + a JSON config."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(tensors, directory / WEIGHTS)
         config = {"shape": self.shape, "d_r": self.d_r, **self.meta}
         (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -94,6 +97,48 @@ class RetainingHeads(nn.Module):
 
         if head_shape(model) != self.shape:
             raise UserError(f"these retaining heads were made for shape {self.shape}, not {head_shape(model)}")
+
+
+OFFICIAL_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.fc([12])\.weight$")
+
+
+def import_official(source: str | Path, config) -> RetainingHeads:
+    """Heads from an official LOCRET release (`model.layers.{i}.self_attn.fc1/fc2.weight`, in a full
+    checkpoint or a heads-only file; safetensors, or a .bin read with weights_only=True)."""
+    from localchat.errors import UserError
+
+    source = Path(source)
+    if source.is_dir():
+        files = sorted(source.glob("*.safetensors")) or sorted(source.glob("*.bin"))
+    else:
+        files = [source] if source.exists() else []
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), "pt") as st:
+                for key in st.keys():
+                    m = OFFICIAL_KEY.search(key)
+                    if m:
+                        found[f"layers.{m.group(1)}.fc{m.group(2)}.weight"] = st.get_tensor(key)
+        else:
+            for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
+                m = OFFICIAL_KEY.search(key)
+                if m:
+                    found[f"layers.{m.group(1)}.fc{m.group(2)}.weight"] = value
+    shape = head_shape(config)
+    if not found:
+        raise UserError(f"no LOCRET retaining-head weights (layers.N.self_attn.fc1/fc2) in {source}")
+    d_r = found["layers.0.fc1.weight"].shape[0]
+    heads = RetainingHeads(shape, d_r, {"kind": "imported", "source": str(source)})
+    try:
+        missing, unexpected = heads.load_state_dict({k: v.float() for k, v in found.items()}, strict=False)
+    except RuntimeError as exc:  # a size mismatch: heads for another model
+        raise UserError(f"{source} does not fit this model: {str(exc).splitlines()[-1].strip()}") from exc
+    if missing or unexpected:
+        raise UserError(f"{source} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return heads
 
 
 class HeadScorer:

@@ -34,10 +34,13 @@ class Collector:
 
     rows: int | None
     callback: Callable[[int, torch.Tensor], None]
+    logits: bool = False  # hand over the masked pre-softmax logits (-inf above the diagonal) instead
 
 
-def window_probs(query: torch.Tensor, key: torch.Tensor, rows: int | None, scaling: float) -> torch.Tensor:
-    """Causal softmax `[H_q, w, n]` (fp32) of the last `rows` queries of `query` against all of `key`."""
+def window_probs(query: torch.Tensor, key: torch.Tensor, rows: int | None, scaling: float,
+                 softmax: bool = True) -> torch.Tensor:
+    """Causal softmax `[H_q, w, n]` (fp32) of the last `rows` queries of `query` against all of `key`
+    (with `softmax=False`: the scaled logits, -inf where a query may not look)."""
     h_q, t = query.shape[1], query.shape[2]
     h_kv, n, d = key.shape[1], key.shape[2], key.shape[3]
     w = t if rows is None else min(rows, t)
@@ -47,6 +50,8 @@ def window_probs(query: torch.Tensor, key: torch.Tensor, rows: int | None, scali
     last_seen = torch.arange(n - w, n, device=key.device)[:, None]  # slot of each query row
     future = torch.arange(n, device=key.device)[None, :] > last_seen  # [w, n]
     logits.masked_fill_(future, float("-inf"))
+    if not softmax:
+        return logits
     # softmax in place: one [H_q, w, n] buffer (every row sees at least its own key, so max is finite)
     logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
     return logits.div_(logits.sum(dim=-1, keepdim=True))
@@ -64,7 +69,8 @@ def stats_attention(module, query, key, value, attention_mask, scaling=None, dro
     collector: Collector | None = getattr(module, _ATTR, None)
     if collector is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        collector.callback(module.layer_idx, window_probs(query, key, collector.rows, scale))
+        probs = window_probs(query, key, collector.rows, scale, softmax=not collector.logits)
+        collector.callback(module.layer_idx, probs)
     return out
 
 

@@ -1,0 +1,1 @@
+"""Retaining-head training: offline data, label extraction, the training loop."""

@@ -1,0 +1,114 @@
+"""Turn training samples into label files on disk, once (resumable): features + labels per sample.
+
+Each sample becomes `DIR/sample-NNNNN.safetensors` with
+  features [L, m, F] float16   pre-RoPE [Q|K|V] of m kept prompt tokens (F = (H_q + 2·H_kv)·d)
+  logit, prob [L, H_kv, m]     the two label variants for those tokens (train/labels.py)
+  full_logit, full_prob [L, H_kv, n]  labels of every prompt token (for oracle and overlap checks)
+  positions [m] int64, adjacent [m] uint8 (1 when the next kept token is the next prompt token)
+The m tokens are whole windows: those holding a needle or the question, the windows the labels
+rank highest, and random windows (features of every token of an 8K prompt would be 470 MB).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from localchat.engine.events import Done
+from localchat.engine.sampling import GenerationSettings
+from localchat.train.labels import extract
+
+if TYPE_CHECKING:
+    from localchat.train.data import TrainSample
+
+
+def needle_token_offsets(engine, prompt_text: str, needles: list[str]) -> list[tuple[int, int]]:
+    """Approximate token spans of each needle string inside the rendered prompt."""
+    spans = []
+    for needle in needles:
+        at = prompt_text.find(needle)
+        if at >= 0 and needle:
+            start = engine.count_tokens(prompt_text[:at])
+            spans.append((start, start + engine.count_tokens(needle)))
+    return spans
+
+
+def choose_windows(n: int, importance: torch.Tensor, spans: list[tuple[int, int]], window: int, keep: int,
+                   rng: random.Random) -> torch.Tensor:
+    """Sorted token positions: windows covering `spans`, the tail, the top windows, then random ones."""
+    n_win = (n + window - 1) // window
+    chosen: list[int] = []
+    add = lambda w: None if w in chosen or not 0 <= w < n_win else chosen.append(w)  # noqa: E731
+    for a, b in spans:
+        for w in range(a // window, (max(b, a + 1) - 1) // window + 1):
+            add(w)
+    add(n_win - 1)
+    add(n_win - 2)
+    per_win = torch.nn.functional.pad(importance, (0, n_win * window - n)).view(n_win, window).mean(-1)
+    for w in per_win.argsort(descending=True)[:3].tolist():
+        add(w)
+    rest = [w for w in range(n_win) if w not in chosen]
+    rng.shuffle(rest)
+    budget = max(keep // window, len(chosen))
+    chosen += rest[: max(0, budget - len(chosen))]
+    pos = torch.cat([torch.arange(w * window, min((w + 1) * window, n)) for w in sorted(chosen)])
+    return pos
+
+
+def _importance(full_logit: torch.Tensor) -> torch.Tensor:
+    """Per token: mean over layers and heads of the z-scored label."""
+    z = (full_logit - full_logit.mean(-1, keepdim=True)) / (full_logit.std(-1, keepdim=True) + 1e-6)
+    return z.mean(dim=(0, 1))
+
+
+def build(engine, samples: list["TrainSample"], out: Path, *, chunk: int = 1024, window: int = 64,
+          keep: int = 768, say=print) -> list[Path]:
+    """Write one label file per sample (skipping those already written); return all paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, sample in enumerate(samples):
+        path = out / f"sample-{i:05d}.safetensors"
+        paths.append(path)
+        if path.exists():
+            continue
+        message = sample.message()
+        answer = sample.answer
+        if answer is None:  # natural text: the model's own greedy answer
+            done = list(engine.chat([message], GenerationSettings(max_new_tokens=32)))[-1]
+            answer = done.text.strip() if isinstance(done, Done) and done.text.strip() else "I do not know."
+        prompt_text = engine.render([message])
+        prompt_ids = engine.encode(prompt_text)
+        answer_ids = engine.encode(answer)
+        lab = extract(engine.model, prompt_ids, answer_ids, chunk=chunk)
+        n = len(prompt_ids)
+        spans = needle_token_offsets(engine, prompt_text, sample.needles)
+        pos = choose_windows(n, _importance(lab.labels["logit"]), spans, window, keep, random.Random(sample.seed))
+        adjacent = torch.zeros(len(pos), dtype=torch.uint8)
+        adjacent[:-1] = (pos[1:] == pos[:-1] + 1).to(torch.uint8)
+        tensors = {
+            "features": lab.features[:, pos].contiguous(),
+            "logit": lab.labels["logit"][:, :, pos].contiguous(),
+            "prob": lab.labels["prob"][:, :, pos].contiguous(),
+            "full_logit": lab.labels["logit"].contiguous(),
+            "full_prob": lab.labels["prob"].contiguous(),
+            "positions": pos,
+            "adjacent": adjacent,
+        }
+        meta = {"kind": sample.kind, "seed": str(sample.seed), "n_tokens": str(n), "answer": answer,
+                "spans": json.dumps(spans)}
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, tmp, metadata=meta)
+        tmp.replace(path)  # atomic: an interrupted run leaves no half file
+        say(f"labels {i + 1}/{len(samples)}: {sample.kind}, {n} tokens, {len(pos)} kept")
+    return paths
+
+
+def load(path: Path, names: tuple[str, ...] = ("features", "logit", "prob", "adjacent")) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {name: f.get_tensor(name) for name in names}

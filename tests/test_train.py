@@ -1,0 +1,111 @@
+"""Training loop pieces: the loss, a real (short) training run, checkpoint resume, the official importer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from localchat.engine.heads import HeadScorer, RetainingHeads, head_shape, import_official
+from localchat.errors import UserError
+from localchat.train.loop import SMOOTH, Recipe, loss_fn, overlap, predict, train
+from tiny import tiny_llama
+
+
+def test_loss_matches_a_hand_computation():
+    pred = torch.tensor([[[0.0, 1.0, 3.0, 3.5]]])  # [L=1, H=1, m=4]
+    label = torch.tensor([[[0.5, 1.0, 1.0, 3.5]]])
+    adjacent = torch.tensor([1, 0, 1, 0], dtype=torch.uint8)  # pairs (0,1) and (2,3) are neighbours
+    reg, smooth = loss_fn(pred, label, adjacent)
+    # SmoothL1 (beta 1): 0.5*0.5^2=0.125, 0, |2|-0.5=1.5, 0 -> mean 0.40625
+    assert torch.isclose(reg, torch.tensor(0.40625))
+    assert torch.isclose(smooth, torch.tensor((1.0 + 0.25) / 2))  # (0-1)^2 and (3-3.5)^2 over 2 pairs
+    assert SMOOTH == 0.0025
+
+
+def test_overlap_counts_shared_top_tokens():
+    label = torch.arange(20.0).view(1, 1, 20)
+    assert overlap(label, label) == 1.0 and overlap(-label, label) == 0.0
+
+
+def _fake_files(tmp_path, shape, teacher, count=6, m=96):
+    """Label files whose labels come from a hidden 'teacher' head: learnable."""
+    feat_dim = (shape["q_heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
+    files = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(count):
+        feats = torch.randn(shape["layers"], m, feat_dim, generator=g)
+        with torch.no_grad():
+            lab = predict(teacher, feats)
+        adjacent = torch.ones(m, dtype=torch.uint8)
+        adjacent[-1] = 0
+        path = tmp_path / f"sample-{i:05d}.safetensors"
+        save_file({"features": feats.half(), "logit": lab, "prob": lab.softmax(-1), "adjacent": adjacent}, path)
+        files.append(path)
+    return files
+
+
+def test_training_learns(tmp_path):
+    model = tiny_llama(300, layers=2, q_heads=4, kv_heads=2)
+    shape = head_shape(model)
+    teacher = RetainingHeads.random(model, d_r=16, seed=5)
+    files = _fake_files(tmp_path, shape, teacher)
+    recipe = Recipe(d_r=16, steps=60, lr=3e-3, warmup=5, eval_every=20, checkpoint_every=20)
+    log = train(shape, files[:5], files[5:], tmp_path / "a", recipe, {"model": "tiny"}, say=lambda m: None)
+    first, last = log["eval"][0], log["eval"][-1]
+    assert last["loss"] < first["loss"] and last["top10_overlap"] > 0.3
+    heads = RetainingHeads.load(tmp_path / "a")
+    assert heads.meta["recipe"]["steps"] == 60 and "top10_overlap" in heads.meta["final"]
+    assert (tmp_path / "a" / "train-log.json").exists()
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    model = tiny_llama(300, layers=2, q_heads=4, kv_heads=2)
+    shape = head_shape(model)
+    files = _fake_files(tmp_path, shape, RetainingHeads.random(model, d_r=16, seed=5), count=4)
+    recipe = Recipe(d_r=16, steps=30, lr=3e-3, warmup=5, eval_every=10, checkpoint_every=10)
+    train(shape, files[:3], files[3:], tmp_path / "full", recipe, {}, say=lambda m: None)
+    # a run killed between the checkpoints at step 10 and 20, then started again
+    part = tmp_path / "part"
+
+    def kill_at_20(msg):
+        if msg.startswith("step 20/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(shape, files[:3], files[3:], part, recipe, {}, say=kill_at_20)
+    notes = []
+    train(shape, files[:3], files[3:], part, recipe, {}, say=notes.append)
+    assert "resumed at step 10" in notes
+    a, b = RetainingHeads.load(tmp_path / "full"), RetainingHeads.load(part)
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-6)  # same data order, same updates
+
+
+def test_import_official_checkpoint_naming(tmp_path):
+    model = tiny_llama(300, layers=2, q_heads=4, kv_heads=2)
+    cfg = model.config
+    in_dim = (4 + 2 * 2) * 16
+    g = torch.Generator().manual_seed(1)
+    weights = {"model.embed_tokens.weight": torch.randn(300, 64, generator=g)}  # other tensors are ignored
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.fc1.weight"] = torch.randn(32, in_dim, generator=g)
+        weights[f"model.layers.{i}.self_attn.fc2.weight"] = torch.randn(2, 32, generator=g)
+        weights[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(64, 64, generator=g)
+    save_file(weights, tmp_path / "model.safetensors")
+    heads = import_official(tmp_path, cfg)
+    assert heads.d_r == 32 and heads.meta["kind"] == "imported"
+    x = torch.randn(5, in_dim)
+    official = weights["model.layers.1.self_attn.fc2.weight"] @ torch.nn.functional.silu(
+        weights["model.layers.1.self_attn.fc1.weight"] @ x.T)
+    assert torch.allclose(heads.layers[1](x).T, official, atol=1e-5)
+    heads.save(tmp_path / "ours")
+    HeadScorer(model, RetainingHeads.load(tmp_path / "ours")).close()  # loads and fits the model
+    torch.save({k: v for k, v in weights.items()}, tmp_path / "heads.bin")
+    assert import_official(tmp_path / "heads.bin", cfg).d_r == 32
+    with pytest.raises(UserError, match="no LOCRET"):
+        import_official(tmp_path / "nothing.safetensors", cfg)
+    bad = {f"model.layers.0.self_attn.fc1.weight": torch.randn(32, in_dim + 1)}
+    save_file(bad, tmp_path / "bad.safetensors")
+    with pytest.raises(UserError, match="does not fit"):
+        import_official(tmp_path / "bad.safetensors", cfg)
