@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("fetch-model", help="fetch and convert the embedded default model now (once)")
     sub.add_parser("policies", help="list the KV-cache policies")
+    from localchat.train import cli as train_cli
+
+    train_cli.add_parser(sub)
     return parser
 
 
@@ -162,6 +165,15 @@ def main(argv: list[str] | None = None) -> int:
             return run_ask(args)
         if args.command == "policies":
             return run_policies()
+        if args.command == "train-heads":
+            from localchat.engine.engine import Engine
+            from localchat.train.cli import run_train
+
+            return run_train(args, Engine.load(args.model, chunk=args.chunk))
+        if args.command == "import-heads":
+            from localchat.train.cli import run_import
+
+            return run_import(args)
         if args.command == "fetch-model":
             from localchat.engine.default_model import ensure_default_model
 

@@ -19,7 +19,8 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from localchat.bench.corpus import natural_text, source_text
+from localchat.bench.corpus import natural_text
+from localchat.train.sources import source_text
 from localchat.documents import Document
 from localchat.render import user_turn
 
@@ -85,12 +86,11 @@ def make_sample(kind: str, tokenizer, n_tokens: int, seed: int) -> TrainSample:
                            f"The special magic {words[asked]} number is {value}.", needles)
     if kind == "kv_list":
         alphabet = string.ascii_lowercase + string.digits
-        pairs: list[tuple[str, str]] = []
-        lines: list[str] = []
-        while not (len(lines) % 50 == 0 and lines and count("\n".join(lines)) >= n_tokens - 40):
-            key, val = "".join(rng.choices(alphabet, k=8)), "".join(rng.choices(alphabet, k=8))
-            pairs.append((key, val))
-            lines.append(f"{key}: {val}")
+        new_pair = lambda: ("".join(rng.choices(alphabet, k=8)), "".join(rng.choices(alphabet, k=8)))  # noqa: E731
+        pairs = [new_pair() for _ in range(20)]
+        per_line = count("\n".join(f"{k}: {v}" for k, v in pairs)) / 20
+        pairs += [new_pair() for _ in range(max(0, int((n_tokens - 40) / per_line) - 20))]
+        lines = [f"{k}: {v}" for k, v in pairs]
         key, val = pairs[rng.randrange(len(pairs))]
         return TrainSample(kind, seed, f"What is the value of the key {key}?", "\n".join(lines),
                            f"The value of {key} is {val}.", [f"{key}: {val}"])

@@ -1,0 +1,96 @@
+"""`localchat train-heads` and `localchat import-heads`: argument wiring for the training pieces."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from localchat.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-heads", help="train LOCRET retaining heads for a model (backbone frozen)")
+    p.add_argument("--out", required=True, help="directory for heads.safetensors, heads.json, the log and the card")
+    p.add_argument("--data", default=None, help="label files directory (default OUT/data); reused and extended")
+    p.add_argument("--samples", type=int, default=160, help="training prompts to label (default 160)")
+    p.add_argument("--min-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=None, help="default: the model's window minus 600")
+    p.add_argument("--recipe", choices=["cpu", "paper"], default="cpu", help="cpu: about an hour here; paper: GPU")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--d-r", type=int, default=None, help="hidden width of each head (cpu 256, paper 1024)")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--label", choices=["logit", "prob"], default="logit", help="logit = the paper's label")
+    p.add_argument("--eval-every-nth", type=int, default=10, help="every Nth sample is held out (default 10)")
+    p.add_argument("--keep", type=int, default=768, help="tokens of features kept per sample (default 768)")
+    p.add_argument("--seed", type=int, default=0)
+
+    q = sub.add_parser("import-heads", help="convert official LOCRET head weights into our format")
+    q.add_argument("source", help="a .safetensors/.bin file or a directory of them")
+    q.add_argument("--out", required=True)
+
+
+def _recipe(args):
+    from localchat.train.loop import PAPER, Recipe
+
+    base = PAPER if args.recipe == "paper" else Recipe()
+    given = {"steps": args.steps, "d_r": args.d_r, "lr": args.lr, "warmup": args.warmup}
+    return replace(base, label=args.label, seed=args.seed, **{k: v for k, v in given.items() if v is not None})
+
+
+def run_train(args, engine) -> int:
+    from localchat.engine.heads import head_shape
+    from localchat.train import dataset
+    from localchat.train.data import KINDS, make_samples
+    from localchat.train.loop import train
+
+    out = Path(args.out)
+    data = Path(args.data) if args.data else out / "data"
+    max_tokens = args.max_tokens or max(args.min_tokens + 1, (engine.window or 8192) - 600)
+    if args.samples < 2 or args.min_tokens < 64 or max_tokens < args.min_tokens:
+        raise UserError("need --samples >= 2 and 64 <= --min-tokens <= --max-tokens")
+    recipe = _recipe(args)
+    t0 = time.time()
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    samples = make_samples(engine.tokenizer, args.samples, args.seed, args.min_tokens, max_tokens)
+    files = dataset.build(engine, samples, data, keep=args.keep, say=say)
+    held = [f for i, f in enumerate(files) if i % args.eval_every_nth == args.eval_every_nth - 1]
+    train_files = [f for f in files if f not in held]
+    t1 = time.time()
+    meta = {"model": engine.name, "kind": "trained", "label": args.label,
+            "data": {"samples": len(files), "held_out": len(held), "kinds": list(KINDS),
+                     "tokens": [args.min_tokens, max_tokens], "seed": args.seed}}
+    log = train(head_shape(engine.model), train_files, held, out, recipe, meta, say=say)
+    t2 = time.time()
+    card = {
+        "command": "localchat " + " ".join(sys.argv[1:]) if sys.argv and "localchat" in sys.argv[0] else "localchat train-heads",
+        "recipe": asdict(recipe), "data": meta["data"], "label": args.label,
+        "final_eval": log["eval"][-1] if log["eval"] else {}, "first_eval": log["eval"][0] if log["eval"] else {},
+        "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "minutes": {"labels": round((t1 - t0) / 60, 1), "training": round((t2 - t1) / 60, 1)},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(out)
+    return 0
+
+
+def run_import(args) -> int:
+    from transformers import AutoConfig
+
+    from localchat.engine.heads import import_official
+    from localchat.engine.loading import resolve
+
+    source, _ = resolve(args.model)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError as exc:
+        raise UserError(f"cannot read the config of {args.model}: {str(exc).splitlines()[0]}") from exc
+    import_official(args.source, config).save(args.out)
+    print(args.out)
+    return 0
