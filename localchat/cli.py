@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     from localchat.train import cli as train_cli
 
     train_cli.add_parser(sub)
+    from localchat.bench import cli as bench_cli
+
+    bench_cli.add_parser(sub)
     return parser
 
 
@@ -165,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_ask(args)
         if args.command == "policies":
             return run_policies()
+        if args.command == "bench":
+            from localchat.bench import cli as bench_cli
+
+            return bench_cli.run(args)
         if args.command == "train-heads":
             from localchat.engine.engine import Engine
             from localchat.train.cli import run_train

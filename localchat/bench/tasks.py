@@ -1,27 +1,99 @@
 """Long-context tasks generated from a seed, sized in tokens of the model's tokenizer.
 
-Each generator returns a `Sample`: the document, the question, the expected answer, and where the
-needle sits (token offset and depth in [0, 1]). Scoring rule for `passkey`: the answer is correct
-when the 5-digit key appears in the model's output.
+Each generator `task(tokenizer, n_tokens, seed, depth=None) -> Sample` returns the document (for
+`multiturn` also the whole conversation), the question, the expected answer(s), the document's token
+count (within a few % of `n_tokens`, never above it) and where each needle sits (token offset in the
+document, and the depth in [0, 1] of the asked needle as a share of the filler before it). Haystacks
+are natural text from `corpus.natural_text("eval", ...)`; needles are whole sentences between
+sentences (filler sentences over 300 characters are skipped, so a needle lands near its depth).
+`depth=None` draws the depth from the seed; the runner passes `depth_for(i, n)` = i/(n-1)
+for example i of n (0.5 when n = 1), so depths spread evenly from the start to the end.
+
+Tasks and scoring rules (`score(sample, output)`; needle numbers match only as whole digit runs):
+- passkey: a 5-digit key in repetitive filler. Correct when the key appears in the output.
+- niah_single: "One of the special magic numbers for KEY is: N." in natural text (7-digit N).
+  Correct when N appears.
+- niah_multikey: the asked needle plus 3 distractor needles with other keys and numbers (at seeded
+  depths). Correct when the asked N appears.
+- niah_multivalue: 4 needles with the same key and different numbers (the first at `depth`). Correct
+  only when all 4 numbers appear.
+- variable_tracking: a chain "VAR A = N." "VAR B = VAR A." ... (5 names, first at `depth`, the rest
+  later in order) plus a distractor chain with another value. Correct when the set of 5-capital-letter
+  names in the output equals the asked chain's names.
+- common_words: a numbered list of words; 10 words appear far more often than the rest. Score =
+  recall: the share of those 10 words found in the output (whole words, any case).
+- doc_qa: 4 facts about invented organisations (founding year, town, director, colour, ...) planted in
+  natural text; one question about the fact at `depth`. Correct when the fact's value appears
+  (case and spacing ignored).
+- multiturn: a niah_single document in the first user turn, `turns` unrelated question/answer turns
+  with fixed short assistant answers, then the question. Scored as niah_single.
+Documents go to the model the way the app lays them out: `render.user_turn(question, [document])`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import math
 import random
-from dataclasses import dataclass
+import re
+from bisect import bisect_right
+from collections.abc import Callable
+from pathlib import Path
+
+from localchat.bench.corpus import natural_text, paragraphs
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+DOC_NAME = "document.txt"
+
+ADJECTIVES = ("amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly",
+              "keen", "lunar", "mellow", "noble", "olive", "proud", "quiet", "rusty", "silver", "tidy",
+              "upper", "vivid", "wild", "young", "zesty", "bold", "crisp", "dim", "early", "fierce")
+NOUNS = ("anchor", "badger", "candle", "dolphin", "ember", "falcon", "garden", "harbor", "island", "jacket",
+         "kettle", "lantern", "meadow", "needle", "orchard", "pebble", "quilt", "river", "saddle", "tunnel",
+         "umbrella", "valley", "walnut", "yarrow", "zephyr", "beacon", "cobalt", "drum", "feather", "glacier")
+KINDS = ("Society", "Institute", "Guild", "Foundation", "Observatory", "Library", "Company", "Museum")
+FIRST_NAMES = ("Ada", "Bruno", "Celia", "Dorian", "Elsa", "Felix", "Greta", "Hugo", "Ines", "Jonas",
+               "Klara", "Leon", "Mira", "Nils", "Olga", "Pavel")
+LAST_NAMES = ("Albrecht", "Brandt", "Castell", "Dunmore", "Ekberg", "Fontaine", "Galloway", "Hartley",
+              "Ivers", "Jansen", "Kowal", "Lindqvist", "Marchetti", "Norwood", "Ostrand", "Pellham")
+TOWN_HEADS = ("Bren", "Cal", "Dun", "Esk", "Fal", "Gar", "Hol", "Kes", "Lin", "Mor", "Nor", "Pel", "Ros", "Tam")
+TOWN_TAILS = ("moor", "wick", "ford", "holm", "bury", "stead", "dale", "haven", "mouth", "ton")
+COLOURS = ("crimson", "turquoise", "violet", "orange", "ivory", "scarlet", "lilac", "maroon", "teal", "ochre")
+CHAT_TURNS = (
+    ("What is the capital of France?", "Paris."),
+    ("Name a primary colour.", "Red."),
+    ("How many days are in a week?", "Seven."),
+    ("What do bees make?", "Honey."),
+    ("Which planet is known as the red planet?", "Mars."),
+    ("What is the opposite of cold?", "Hot."),
+    ("How many legs does a spider have?", "Eight."),
+    ("What is frozen water called?", "Ice."),
+    ("Which animal is known for its long neck?", "The giraffe."),
+    ("What is the first month of the year?", "January."),
+)
+# Longest answer each task needs (greedy decoding stops earlier at the end token).
+ANSWER_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64,
+                 "variable_tracking": 48, "common_words": 96, "doc_qa": 32, "multiturn": 24}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Sample:
     task: str
     document: str
     question: str
-    answer: str
+    answer: str  # the expected answer; several values joined by ", "
     n_tokens: int  # tokens of `document`
-    needle_token: int  # token offset of the needle inside the document
-    depth: float
+    needle_token: int  # token offset of the (asked or first) needle inside the document; -1 if none
+    depth: float | None  # depth of that needle; None when the task has no needle (common_words)
+    answers: tuple[str, ...] = ()  # every expected value
+    needle_tokens: tuple[int, ...] = ()  # token offset of every needle, the asked one first
+    messages: tuple[dict, ...] = ()  # multiturn: the conversation, ending with the question
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def passkey(tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> Sample:
@@ -30,7 +102,7 @@ def passkey(tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> 
     key = str(rng.randint(10000, 99999))
     depth = rng.random() if depth is None else depth
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    count = lambda s: len(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    count = lambda s: _count(tokenizer, s)  # noqa: E731
     per_filler = count(PASSKEY_FILLER * 10) / 10
     n_fill = max(0, int((n_tokens - count(needle)) / per_filler))
     at = round(n_fill * depth)
@@ -39,8 +111,343 @@ def passkey(tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> 
     return Sample(
         task="passkey", document=document, question="What is the pass key? Answer with the number only.",
         answer=key, n_tokens=count(document), needle_token=count(before), depth=depth,
+        answers=(key,), needle_tokens=(count(before),),
     )
+
+
+# --- natural-text haystacks ------------------------------------------------------------------------
+
+def _token_offsets(tokenizer, document: str, char_starts: list[int]) -> tuple[int, list[int]]:
+    """(token count, index of the first token that reaches each char offset)."""
+    try:
+        enc = tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:  # slow tokenizers: count the prefix instead
+        return _count(tokenizer, document), [_count(tokenizer, document[:c]) for c in char_starts]
+    ends = [end for _, end in enc["offset_mapping"]]
+    return len(ends), [bisect_right(ends, c) for c in char_starts]
+
+
+MAX_SENTENCE = 300  # characters; longer filler sentences are skipped, so a needle lands near its depth
+
+
+def _sentences(text: str) -> list[str]:
+    """Pieces that each start with the whitespace before a sentence (so counts add up)."""
+    return [p for p in re.split(r"(?<=[.!?])(?=\s)", text) if p and len(p) <= MAX_SENTENCE]
+
+
+def haystack(tokenizer, n_tokens: int, seed: int, needles: list[tuple[float, str]]) -> tuple[str, list[int]]:
+    """Natural text of at most `n_tokens` tokens with each (depth, sentence) needle inserted at a
+    sentence boundary; returns the document and each needle's token offset (in `needles` order)."""
+    needle_cost = sum(_count(tokenizer, " " + text) for _, text in needles)
+    probe = natural_text("eval", 4000, seed)
+    chars_per_token = len(probe) / max(_count(tokenizer, probe), 1)
+    budget = n_tokens - needle_cost
+    if budget < 8:
+        raise ValueError(f"{n_tokens} tokens cannot hold the needles ({needle_cost} tokens)")
+    pieces = _sentences(natural_text("eval", int(budget * chars_per_token * 1.2) + 400, seed))
+    sizes = [len(ids) for ids in tokenizer(pieces, add_special_tokens=False)["input_ids"]]
+    order = sorted(range(len(needles)), key=lambda j: needles[j][0])  # stable: ties keep list order
+    for _ in range(4):
+        document, starts = _assemble(pieces, sizes, budget, [needles[j] for j in order])
+        total, offsets = _token_offsets(tokenizer, document, starts)
+        if total <= n_tokens:
+            break
+        budget -= total - n_tokens
+    by_needle = [0] * len(needles)
+    for j, off in zip(order, offsets):
+        by_needle[j] = off
+    return document, by_needle
+
+
+def _assemble(pieces: list[str], sizes: list[int], budget: int,
+              needles: list[tuple[float, str]]) -> tuple[str, list[int]]:
+    """Take pieces in order up to `budget` tokens (skipping those that would overflow it), then put
+    the needles (sorted by depth) between them."""
+    chosen = []
+    bounds = [0]  # filler tokens before chosen piece i
+    for piece, size in zip(pieces, sizes):
+        if bounds[-1] + size <= budget:
+            chosen.append(piece)
+            bounds.append(bounds[-1] + size)
+    pieces, take, used = chosen, len(chosen), bounds[-1]
+    at = [min(range(take + 1), key=lambda i: abs(bounds[i] - d * used)) for d, _ in needles]
+    parts: list[str] = []
+    starts: list[int] = []
+    length = 0
+    nxt = 0
+    for i in range(take + 1):
+        while nxt < len(needles) and at[nxt] == i:
+            sep = " " if parts else ""
+            starts.append(length + len(sep))
+            parts.append(sep + needles[nxt][1])
+            length += len(parts[-1])
+            nxt += 1
+        if i < take:
+            piece = pieces[i] if parts else pieces[i].lstrip()
+            parts.append(piece)
+            length += len(piece)
+    return "".join(parts), starts
+
+
+def _rng_key(rng: random.Random) -> str:
+    return f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+
+
+def _distinct(rng: random.Random, make: Callable[[random.Random], str], k: int) -> list[str]:
+    seen: dict[str, None] = {}
+    while len(seen) < k:
+        seen[make(rng)] = None
+    return list(seen)
+
+
+def _magic(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _needle(key: str, value: str) -> str:
+    return f"One of the special magic numbers for {key} is: {value}."
+
+
+def _single(tokenizer, n_tokens: int, seed: int, depth: float | None) -> tuple[str, str, str, list[int], float]:
+    """(key, value, document, offsets, depth) of one needle in natural text."""
+    rng = random.Random(seed)
+    depth = rng.random() if depth is None else depth
+    key, value = _rng_key(rng), _magic(rng)
+    document, offsets = haystack(tokenizer, n_tokens, rng.randrange(2**31), [(depth, _needle(key, value))])
+    return key, value, document, offsets, depth
+
+
+def niah_single(tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> Sample:
+    key, value, document, offsets, depth = _single(tokenizer, n_tokens, seed, depth)
+    question = (f"What is the special magic number for {key} mentioned in the provided text? "
+                f"Answer with the number only.")
+    return _sample("niah_single", tokenizer, document, question, [value], offsets, depth)
+
+
+def niah_multikey(tokenizer, n_tokens: int, seed: int, depth: float | None = None, keys: int = 4) -> Sample:
+    rng = random.Random(seed)
+    depth = rng.random() if depth is None else depth
+    names = _distinct(rng, _rng_key, keys)
+    values = _distinct(rng, _magic, keys)
+    needles = [(depth if j == 0 else rng.random(), _needle(k, v)) for j, (k, v) in enumerate(zip(names, values))]
+    document, offsets = haystack(tokenizer, n_tokens, rng.randrange(2**31), needles)
+    question = (f"What is the special magic number for {names[0]} mentioned in the provided text? "
+                f"Answer with the number only.")
+    return _sample("niah_multikey", tokenizer, document, question, [values[0]], offsets, depth)
+
+
+def niah_multivalue(tokenizer, n_tokens: int, seed: int, depth: float | None = None, values: int = 4) -> Sample:
+    rng = random.Random(seed)
+    depth = rng.random() if depth is None else depth
+    key = _rng_key(rng)
+    numbers = _distinct(rng, _magic, values)
+    needles = [(depth if j == 0 else rng.random(), _needle(key, v)) for j, v in enumerate(numbers)]
+    document, offsets = haystack(tokenizer, n_tokens, rng.randrange(2**31), needles)
+    question = (f"What are all the special magic numbers for {key} mentioned in the provided text? "
+                f"List every one of them.")
+    return _sample("niah_multivalue", tokenizer, document, question, numbers, offsets, depth)
+
+
+def _var_name(rng: random.Random) -> str:
+    return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+
+
+def variable_tracking(tokenizer, n_tokens: int, seed: int, depth: float | None = None, hops: int = 4) -> Sample:
+    rng = random.Random(seed)
+    depth = rng.random() if depth is None else depth
+    names = _distinct(rng, _var_name, 2 * (hops + 1))
+    asked, other = names[: hops + 1], names[hops + 1:]
+    value, decoy = _distinct(rng, lambda r: str(r.randint(10000, 99999)), 2)
+
+    def chain(vars_: list[str], number: str, depths: list[float]) -> list[tuple[float, str]]:
+        lines = [f"VAR {vars_[0]} = {number}."] + [f"VAR {b} = VAR {a}." for a, b in zip(vars_, vars_[1:])]
+        return list(zip(depths, lines))
+
+    asked_depths = [depth] + sorted(depth + (1 - depth) * rng.random() for _ in range(hops))
+    needles = chain(asked, value, asked_depths) + chain(other, decoy, sorted(rng.random() for _ in range(hops + 1)))
+    document, offsets = haystack(tokenizer, n_tokens, rng.randrange(2**31), needles)
+    question = (f"Find all variables that are assigned the value {value} in the text above, directly or "
+                f"through other variables. Answer with their names only.")
+    return _sample("variable_tracking", tokenizer, document, question, asked, offsets, depth)
+
+
+@functools.lru_cache(maxsize=1)
+def _vocabulary() -> tuple[str, ...]:
+    """Lower-case words of 4 to 10 letters from the eval corpus, sorted."""
+    return tuple(sorted({w for p in paragraphs("eval") for w in re.findall(r"\b[a-z]{4,10}\b", p)}))
+
+
+def _word_list(rng: random.Random, vocab: tuple[str, ...], entries: int, top: int) -> tuple[str, list[str]]:
+    """A numbered list of about `entries` words: `top` common words, each other word `rare` times."""
+    rare = max(3, math.ceil((entries - top * 30) / (len(vocab) - top)))
+    common = max(rare + 2, min(max(30, 3 * rare), entries // (3 * top)))
+    n_rare = (entries - top * common) // rare
+    if n_rare < top:
+        raise ValueError(f"{entries} list entries are too few for a common_words list")
+    words = rng.sample(vocab, top + n_rare)
+    items = words[:top] * common + words[top:] * rare
+    rng.shuffle(items)
+    return "".join(f"{i + 1}. {w}\n" for i, w in enumerate(items)).rstrip("\n"), sorted(words[:top])
+
+
+def common_words(tokenizer, n_tokens: int, seed: int, depth: float | None = None, top: int = 10) -> Sample:
+    """A numbered word list: `top` words far more often than the rest, shuffled (no needle, no depth)."""
+    vocab = _vocabulary()
+    per_entry = _count(tokenizer, "".join(f"{i + 1}. {w}\n" for i, w in enumerate(vocab[:: len(vocab) // 200]))) / 200
+    entries = int(n_tokens / per_entry)
+    best = None
+    for _ in range(5):  # resize until the list fills 97-100% of n_tokens
+        document, answers = _word_list(random.Random(seed), vocab, entries, top)
+        total = _count(tokenizer, document)
+        if total <= n_tokens and (best is None or total > best[0]):
+            best = (total, document, answers)
+        if 0.97 * n_tokens <= total <= n_tokens:
+            break
+        entries = int(entries * n_tokens / total) - (1 if total > n_tokens else 0)
+    if best is None:
+        raise ValueError(f"cannot fit a common_words list in {n_tokens} tokens")
+    total, document, answers = best
+    question = (f"What are the {top} most common words in the list above? "
+                f"Answer with the words only, separated by commas.")
+    return Sample(task="common_words", document=document, question=question, answer=", ".join(answers),
+                  n_tokens=total, needle_token=-1, depth=None, answers=tuple(answers))
+
+
+FACTS = (  # (statement, question, kind of value)
+    ("The {e} was founded in the year {v}.", "In which year was the {e} founded?", "year"),
+    ("The {e} has its headquarters in the town of {v}.", "In which town does the {e} have its headquarters?", "town"),
+    ("The current director of the {e} is {v}.", "Who is the current director of the {e}?", "person"),
+    ("The main building of the {e} is painted {v}.", "What colour is the main building of the {e}?", "colour"),
+    ("The {e} keeps a collection of exactly {v} old maps.", "How many old maps does the {e} keep?", "count"),
+)
+
+
+def _value(rng: random.Random, kind: str) -> str:
+    if kind == "year":
+        return str(rng.randint(1700, 1999))
+    if kind == "town":
+        return rng.choice(TOWN_HEADS) + rng.choice(TOWN_TAILS)
+    if kind == "person":
+        return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+    if kind == "colour":
+        return rng.choice(COLOURS)
+    return str(rng.randint(100, 9999))
+
+
+def doc_qa(tokenizer, n_tokens: int, seed: int, depth: float | None = None, facts: int = 4) -> Sample:
+    rng = random.Random(seed)
+    depth = rng.random() if depth is None else depth
+    entities = _distinct(rng, lambda r: f"{r.choice(ADJECTIVES).title()} {r.choice(NOUNS).title()} "
+                                        f"{r.choice(KINDS)}", facts)
+    templates = rng.sample(FACTS, facts)
+    values = [_value(rng, kind) for _, _, kind in templates]
+    needles = [(depth if j == 0 else rng.random(), statement.format(e=e, v=v))
+               for j, ((statement, _, _), e, v) in enumerate(zip(templates, entities, values))]
+    document, offsets = haystack(tokenizer, n_tokens, rng.randrange(2**31), needles)
+    question = templates[0][1].format(e=entities[0]) + " Answer briefly."
+    return _sample("doc_qa", tokenizer, document, question, [values[0]], offsets, depth)
+
+
+def multiturn(tokenizer, n_tokens: int, seed: int, depth: float | None = None, turns: int = 3) -> Sample:
+    """The niah_single needle in the first turn's document, `turns` unrelated turns, then the question."""
+    key, value, document, offsets, depth = _single(tokenizer, n_tokens, seed, depth)
+    rng = random.Random(seed + 1)
+    opening = "I will ask you about this document later. For now, reply with OK."
+    messages = [{"role": "user", "content": user_message(opening, document)},
+                {"role": "assistant", "content": "OK. I have read the document."}]
+    for q, a in rng.sample(CHAT_TURNS, turns):
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    question = (f"What is the special magic number for {key} in the document I gave you at the start? "
+                f"Answer with the number only.")
+    messages.append({"role": "user", "content": question})
+    sample = _sample("multiturn", tokenizer, document, question, [value], offsets, depth)
+    return dataclasses.replace(sample, messages=tuple(messages))
+
+
+def _sample(task: str, tokenizer, document: str, question: str, answers: list[str], offsets: list[int],
+            depth: float) -> Sample:
+    return Sample(task=task, document=document, question=question, answer=", ".join(answers),
+                  n_tokens=_count(tokenizer, document), needle_token=offsets[0], depth=depth,
+                  answers=tuple(answers), needle_tokens=tuple(offsets))
+
+
+# --- prompts ---------------------------------------------------------------------------------------
+
+def user_message(question: str, document: str) -> str:
+    """The user turn the app builds for a question about one attached document."""
+    from localchat.documents import Document
+    from localchat.render import user_turn
+
+    raw = document.encode("utf-8")
+    doc = Document(path=Path(DOC_NAME), name=DOC_NAME, kind="text", text=document,
+                   sha256=hashlib.sha256(raw).hexdigest(), n_bytes=len(raw))
+    return user_turn(question, [doc])
+
+
+def prompt_messages(sample: Sample) -> list[dict]:
+    """The chat messages the model gets for `sample`."""
+    if sample.messages:
+        return [dict(m) for m in sample.messages]
+    return [{"role": "user", "content": user_message(sample.question, sample.document)}]
+
+
+# --- scoring ---------------------------------------------------------------------------------------
+
+def _has_number(output: str, number: str) -> bool:
+    return re.search(rf"(?<!\d){re.escape(number)}(?!\d)", output) is not None
+
+
+def _norm(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
 
 
 def score_passkey(sample: Sample, output: str) -> bool:
     return sample.answer in output
+
+
+def score_needle(sample: Sample, output: str) -> bool:
+    """niah_single, niah_multikey, multiturn: the asked number appears."""
+    return _has_number(output, sample.answers[0])
+
+
+def score_multivalue(sample: Sample, output: str) -> bool:
+    return all(_has_number(output, v) for v in sample.answers)
+
+
+def score_variables(sample: Sample, output: str) -> bool:
+    return set(re.findall(r"\b[A-Z]{5}\b", output)) == set(sample.answers)
+
+
+def score_common_words(sample: Sample, output: str) -> float:
+    said = set(re.findall(r"[a-z]+", output.lower()))
+    return sum(w in said for w in sample.answers) / len(sample.answers)
+
+
+def score_doc_qa(sample: Sample, output: str) -> bool:
+    return f" {_norm(sample.answers[0])} " in f" {_norm(output)} "
+
+
+TASKS: dict[str, Callable[..., Sample]] = {
+    "passkey": passkey, "niah_single": niah_single, "niah_multikey": niah_multikey,
+    "niah_multivalue": niah_multivalue, "variable_tracking": variable_tracking,
+    "common_words": common_words, "doc_qa": doc_qa, "multiturn": multiturn,
+}
+SCORERS: dict[str, Callable[[Sample, str], bool | float]] = {
+    "passkey": score_passkey, "niah_single": score_needle, "niah_multikey": score_needle,
+    "niah_multivalue": score_multivalue, "variable_tracking": score_variables,
+    "common_words": score_common_words, "doc_qa": score_doc_qa, "multiturn": score_needle,
+}
+
+
+def score(sample: Sample, output: str) -> bool | float:
+    """The task's scoring rule (module doc): a bool, or a float in [0, 1] for common_words."""
+    return SCORERS[sample.task](sample, output)
+
+
+def depth_for(i: int, n: int) -> float:
+    """Needle depth of example i of n: evenly spread over [0, 1]."""
+    return i / (n - 1) if n > 1 else 0.5
+
+
+def make_sample(task: str, tokenizer, n_tokens: int, seed: int, depth: float | None) -> Sample:
+    return TASKS[task](tokenizer, n_tokens, seed, depth)

@@ -104,7 +104,7 @@ class Engine:
         except UserError as exc:
             yield Error(str(exc), exc)
         except torch.OutOfMemoryError as exc:
-            yield Error(f"out of memory while generating; try a smaller --chunk or a shorter document", exc)
+            yield Error("out of memory while generating; try a smaller --chunk or a shorter document", exc)
 
     @property
     def compressing(self) -> bool:
@@ -118,7 +118,7 @@ class Engine:
             peak = self.policy.budget + max(self.chunk, self.policy.local + 2 * self.policy.decode_window)
             if peak >= self.window:
                 raise UserError(
-                    f"budget + chunk + local = {peak} positions do not fit {self.name}'s window of {self.window}; "
+                    f"budget + chunk (or local tail + 2 x decode window) = {peak} positions do not fit {self.name}'s window of {self.window}; "
                     f"lower --budget or --chunk"
                 )
         elif n_prompt >= self.window:

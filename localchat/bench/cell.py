@@ -1,0 +1,197 @@
+"""One benchmark cell: a (task, length, policy, budget) combination, its examples run one by one.
+
+`python -m localchat.bench.cell SPEC_JSON` runs a cell in a fresh process (the runner's default), so
+the peak RSS read at the end (`ru_maxrss`) belongs to that cell alone. Each example appends one JSON
+row to the results file as soon as it finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from localchat.bench import machine
+from localchat.bench.tasks import Sample, depth_for, make_sample, prompt_messages, score
+from localchat.engine.events import Done, Error
+from localchat.engine.sampling import GenerationSettings
+from localchat.errors import UserError
+
+FOLLOWUP_TOKENS = 8  # answer length of the unrelated multiturn turns (their answers are fixed anyway)
+KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
+              "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    length: int
+    policy: str
+    budget: int | None  # None for `full`
+    n: int  # examples in the cell (sets the depths)
+    seed: int
+    model_spec: str | None  # what --model said (None: the default model)
+    heads: str | None  # locret only
+    chunk: int
+    positions: str
+    max_new_tokens: int
+
+    def key(self, example: int) -> str:
+        return json.dumps([*(getattr(self, f) for f in KEY_FIELDS), example])
+
+    def label(self) -> str:
+        budget = "" if self.budget is None else f" b={self.budget}"
+        return f"{self.task} {self.length} {self.policy}{budget}"
+
+
+def row_key(row: dict) -> str:
+    return json.dumps([*(row.get(f) for f in KEY_FIELDS), row.get("example")])
+
+
+def example_seed(seed: int, task: str, length: int, example: int) -> int:
+    """The same sample for every policy and budget (paired comparisons)."""
+    digest = hashlib.sha256(f"{seed}:{task}:{length}:{example}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def sample_for(cell: Cell, tokenizer, example: int) -> Sample:
+    seed = example_seed(cell.seed, cell.task, cell.length, example)
+    try:
+        return make_sample(cell.task, tokenizer, cell.length, seed, depth_for(example, cell.n))
+    except ValueError as exc:  # a length too short for the task
+        raise UserError(f"{cell.task} at {cell.length} tokens: {exc}") from exc
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def load_engine(cell: Cell):
+    from localchat.engine.engine import Engine
+
+    return Engine.load(cell.model_spec, chunk=cell.chunk, say=_stderr)
+
+
+def use_policy(engine, cell: Cell) -> None:
+    """The cell's policy; LOCRET's stabilizers (n_s) drop to budget // 4 where the card's n_s >= budget."""
+    from localchat.engine.policies.locret import Locret
+    from localchat.engine.policy_setup import policy_for
+
+    stabilizers = None
+    if cell.policy == "locret":
+        stabilizers = (engine.card.locret.get("stabilizers") if engine.card else None) or Locret.stabilizers
+        stabilizers = stabilizers if stabilizers < cell.budget else cell.budget // 4
+    heads = cell.heads if cell.policy == "locret" else None
+    engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, stabilizers=stabilizers, heads=heads),
+                      cell.positions)
+
+
+def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory: str = "subprocess",
+             progress: tuple[int, int] = (0, 0), command: str = "", say: Callable[[str], None] = _stderr) -> None:
+    """Run `examples` of `cell` and append a row per example to `out` (JSONL)."""
+    engine = engine or load_engine(cell)
+    use_policy(engine, cell)
+    cuda = engine.device.type == "cuda"
+    rss_load = machine.max_rss_bytes()
+    common = {
+        "model": engine.name, "device": engine.device.type, "hardware": machine.hardware(),
+        "versions": machine.versions(), "command": command, "memory_mode": "cuda" if cuda else memory,
+        "stabilizers": getattr(engine.policy, "stabilizers", None) if engine.policy.evicts else None,
+        "local": engine.policy.local if engine.policy.evicts else None,
+    }
+    done_before, total = progress
+    for k, example in enumerate(examples):
+        sample = sample_for(cell, engine.tokenizer, example)
+        t0 = time.perf_counter()
+        result = run_example(engine, sample, cell.max_new_tokens)
+        peak = torch.cuda.max_memory_allocated() if cuda else machine.max_rss_bytes()
+        row = {**dataclasses.asdict(cell), "example": example, **common, **_sample_fields(sample, cell, example),
+               **result, "peak_memory_bytes": peak, "rss_after_load_bytes": rss_load,
+               "wall_s": round(time.perf_counter() - t0, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        with out.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        say(_progress_line(done_before + k + 1, total, cell, example, row))
+
+
+def _sample_fields(sample: Sample, cell: Cell, example: int) -> dict:
+    return {"sample_seed": example_seed(cell.seed, cell.task, cell.length, example), "depth": sample.depth,
+            "n_tokens": sample.n_tokens, "needle_tokens": list(sample.needle_tokens),
+            "question": sample.question, "expected": list(sample.answers)}
+
+
+def _progress_line(at: int, total: int, cell: Cell, example: int, row: dict) -> str:
+    head = f"bench [{at}/{total}] {cell.label()} #{example}"
+    if row["error"]:
+        return f"{head}: error: {row['error']}"
+    return (f"{head}: score {row['score']:.2f}, prefill {row['prefill_s']:.1f}s ({row['prefill_tps']:,.0f} tok/s), "
+            f"decode {row['decode_tps']:.1f} tok/s")
+
+
+def _complete(engine, messages: list[dict], max_new: int) -> Done | str:
+    """Greedy answer to `messages`: the Done event, or the error message."""
+    settings = GenerationSettings(max_new_tokens=max_new)
+    for event in engine.chat(messages, settings):
+        if isinstance(event, Done):
+            return event
+        if isinstance(event, Error):
+            return event.message
+    return "no answer"
+
+
+def _timing(turn: int, done: Done) -> dict:
+    return {"turn": turn, "prompt_tokens": done.prompt_tokens, "prefill_s": round(done.prefill_s, 4),
+            "ttft_s": round(done.ttft_s, 4), "total_s": round(done.prefill_s + done.decode_s, 4)}
+
+
+def run_example(engine, sample: Sample, max_new: int) -> dict:
+    """Answer one sample; for multiturn, each follow-up turn is run the way the app runs it (the whole
+    conversation so far re-read) and timed."""
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    messages = prompt_messages(sample)
+    followups: list[dict] = []
+    for end in range(2, len(messages) - 1, 2) if sample.task == "multiturn" else ():
+        done = _complete(engine, messages[: end + 1], FOLLOWUP_TOKENS)
+        if isinstance(done, str):
+            return _failed(done)
+        followups.append(_timing(end // 2, done))
+    done = _complete(engine, messages, max_new)
+    if isinstance(done, str):
+        return _failed(done)
+    if sample.task == "multiturn":
+        followups.append(_timing(len(messages) // 2, done))
+    value = float(score(sample, done.text))
+    return {
+        "output": done.text, "score": value, "correct": value >= 1.0, "error": None,
+        "prompt_tokens": done.prompt_tokens, "new_tokens": done.new_tokens, "stop_reason": done.stop_reason,
+        "prefill_s": round(done.prefill_s, 4), "decode_s": round(done.decode_s, 4), "ttft_s": round(done.ttft_s, 4),
+        "prefill_tps": round(done.prefill_tps, 2), "decode_tps": round(done.decode_tps, 2),
+        "kv_tokens": done.kv_tokens, "kv_bytes": done.kv_bytes, "kv_full_bytes": done.kv_full_bytes,
+        "compression": round(done.compression, 3), "followups": followups or None,
+    }
+
+
+def _failed(message: str) -> dict:
+    return {"output": None, "score": None, "correct": None, "error": message, "followups": None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = json.loads((argv or sys.argv[1:])[0])
+    try:
+        run_cell(Cell(**spec["cell"]), spec["examples"], Path(spec["out"]), progress=tuple(spec["progress"]),
+                 command=spec.get("command", ""))
+    except UserError as exc:
+        print(f"localchat: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""`localchat bench`: argument parsing for the benchmark grid, `bench report DIR` and `bench perf`.
+
+Heavy imports (torch, transformers) happen in `run`, so `localchat --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from localchat.errors import UserError
+
+USAGE = """examples:
+  localchat bench --tasks passkey,niah_single --lengths 4096 --policies full,locret,streaming --budgets 512 \\
+      -n 5 --out DIR --heads random
+  localchat bench report DIR
+  localchat bench perf --out DIR --heads random"""
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared with the top-level parser: SUPPRESS keeps a value given before `bench`."""
+    s = argparse.SUPPRESS
+    p.add_argument("--model", "-m", default=s, help="model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", default=s, help="LOCRET retaining heads directory, or `random`")
+    p.add_argument("--chunk", type=int, default=s, help="prefill chunk in tokens (default: the model card's)")
+    p.add_argument("--seed", type=int, default=s, help="seed of the generated examples (default 0)")
+
+
+def add_parser(subparsers) -> None:
+    bench = subparsers.add_parser(
+        "bench", help="offline long-context benchmark: accuracy, speed and memory per policy",
+        description="Run tasks x lengths x policies x budgets x N examples; one JSONL row per example in "
+                    "OUT/results.jsonl (resumable).",
+        epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("--tasks", default="passkey", help="comma-separated tasks (default passkey)")
+    bench.add_argument("--lengths", default="4096", help="document lengths in tokens, e.g. 4096,8k,32k")
+    bench.add_argument("--policies", default="full,locret", help="comma-separated policies (default full,locret)")
+    bench.add_argument("--budgets", default="1024", help="budgets of the evicting policies (default 1024)")
+    bench.add_argument("-n", type=int, default=5, help="examples per cell (default 5)")
+    bench.add_argument("--out", help="results directory")
+    bench.add_argument("--positions", default=argparse.SUPPRESS,
+                       help="compact|original (default: compact for evicting policies, original for full)")
+    bench.add_argument("--answer-tokens", type=int, default=None, help="answer length limit (default: per task)")
+    bench.add_argument("--in-process", action="store_true",
+                       help="run every cell in this process (no per-cell peak RSS)")
+    _engine_flags(bench)
+    sub = bench.add_subparsers(dest="bench_command", metavar="{report,perf}")
+    report = sub.add_parser("report", help="DIR/results.jsonl -> DIR/report.md and PNG plots")
+    report.add_argument("dir", help="a bench --out directory")
+    perf = sub.add_parser("perf", help="LOCRET vs full speed side by side; time per token vs length")
+    perf.add_argument("--out", help="directory for perf.json and perf.md")
+    perf.add_argument("--length", default="7600", help="document tokens of the side-by-side run (default 7600)")
+    perf.add_argument("--min-length", default="4096", help="shortest length of the scaling run (default 4096)")
+    perf.add_argument("--max-length", default="32768", help="longest length of the scaling run (default 32768)")
+    perf.add_argument("--budget", type=int, default=None, help="LOCRET budget (default: the model card's)")
+    perf.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded side by side (default 64)")
+    _engine_flags(perf)
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise UserError(f"--{what} is empty")
+    return items
+
+
+def parse_length(text: str) -> int:
+    """`4096`, `4k` or `4K` (x1024)."""
+    t = text.strip().lower()
+    try:
+        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError:
+        raise UserError(f"bad length {text!r}; give token counts like 4096 or 4k") from None
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(t) for t in parse_list(text, what)]
+    except ValueError:
+        raise UserError(f"--{what} takes whole numbers, e.g. 512,1024 (got {text!r})") from None
+
+
+def _command(args, perf: bool) -> str:
+    """The command line that reproduces this run (defaults spelled out)."""
+    parts = ["localchat", "bench"]
+    if perf:
+        parts += ["perf", "--out", args.out or "", "--length", args.length, "--min-length", args.min_length,
+                  "--max-length", args.max_length, "--decode-tokens", str(args.decode_tokens)]
+        if args.budget is not None:
+            parts += ["--budget", str(args.budget)]
+    else:
+        parts += ["--tasks", args.tasks, "--lengths", args.lengths, "--policies", args.policies,
+                  "--budgets", args.budgets, "-n", str(args.n), "--out", args.out or ""]
+        if getattr(args, "positions", None):
+            parts += ["--positions", args.positions]
+        if args.answer_tokens is not None:
+            parts += ["--answer-tokens", str(args.answer_tokens)]
+        if args.in_process:
+            parts.append("--in-process")
+    for flag in ("model", "heads", "chunk", "seed"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            parts += [f"--{flag}", str(value)]
+    return shlex.join(parts)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    if args.bench_command == "report":
+        from localchat.bench.report import write_report
+
+        print(write_report(Path(args.dir), say=_say))
+        return 0
+    if args.bench_command == "perf":
+        return _run_perf(args)
+    from localchat.bench.runner import BenchConfig
+    from localchat.bench.runner import run as run_grid
+
+    if not args.out:
+        raise UserError("bench needs --out DIR (where results.jsonl goes)")
+    config = BenchConfig(
+        tasks=parse_list(args.tasks, "tasks"), lengths=[parse_length(t) for t in parse_list(args.lengths, "lengths")],
+        policies=parse_list(args.policies, "policies"), budgets=_ints(args.budgets, "budgets"), n=args.n,
+        out=Path(args.out), model=getattr(args, "model", None), heads=getattr(args, "heads", None),
+        chunk=getattr(args, "chunk", None), positions=getattr(args, "positions", None),
+        seed=getattr(args, "seed", 0) or 0, answer_tokens=args.answer_tokens, in_process=args.in_process,
+        command=_command(args, perf=False),
+    )
+    run_grid(config, say=_say)
+    return 0
+
+
+def _run_perf(args) -> int:
+    from localchat.bench.perf import PerfConfig, doubling
+    from localchat.bench.perf import run as run_perf
+
+    if not args.out:
+        raise UserError("bench perf needs --out DIR (where perf.json and perf.md go)")
+    low, high = parse_length(args.min_length), parse_length(args.max_length)
+    if low > high:
+        raise UserError(f"--min-length {low} is above --max-length {high}")
+    config = PerfConfig(
+        out=Path(args.out), model=getattr(args, "model", None), chunk=getattr(args, "chunk", None),
+        length=parse_length(args.length), lengths=doubling(low, high), budget=args.budget,
+        heads=getattr(args, "heads", None) or "random", decode_tokens=args.decode_tokens,
+        seed=getattr(args, "seed", 0) or 0, command=_command(args, perf=True),
+    )
+    path = run_perf(config, say=_say)
+    print(path.read_text(encoding="utf-8"))
+    return 0

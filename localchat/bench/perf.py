@@ -1,0 +1,225 @@
+"""`localchat bench perf`: LOCRET vs full attention, side by side in one run, on this machine.
+
+1. One prompt of `length` tokens (a niah_single document at depth 0.5 in the app's layout), chunked
+   prefill: `full` (original positions, our in-place cache) vs `locret` (compact positions); prefill
+   tokens/s, decode tokens/s over `decode_tokens` greedy tokens (EOS ignored), KV bytes held.
+2. An extra, labelled row: `full` through transformers' stock DynamicCache, the HF default path
+   (`model(..., past_key_values=DynamicCache(config=model.config))`, the same chunks, then one token
+   per step, greedy): earlier prototypes compared against it.
+3. LOCRET time per token from `lengths[0]` to `lengths[-1]` (compact positions): a flat line means
+   the total cost grows linearly with the length.
+Speed does not depend on the heads' weights, only on their size: `--heads random` is the default.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from localchat.bench import machine
+from localchat.bench.cell import Cell, load_engine, use_policy
+from localchat.bench.runner import MAX_LENGTH, MIN_LENGTH, default_chunk
+from localchat.bench.tasks import niah_single, prompt_messages
+from localchat.engine.events import Done, Error
+from localchat.engine.sampling import GenerationSettings
+from localchat.errors import UserError
+
+
+@dataclass
+class PerfConfig:
+    out: Path | None = None
+    model: str | None = None
+    chunk: int | None = None
+    length: int = 7600
+    lengths: list[int] = field(default_factory=lambda: [4096, 8192, 16384, 32768])
+    budget: int | None = None  # None: the model card's (else the policy default)
+    heads: str = "random"
+    decode_tokens: int = 64
+    scaling_decode_tokens: int = 16
+    seed: int = 0
+    command: str = ""
+
+
+def doubling(low: int, high: int) -> list[int]:
+    """low, 2·low, 4·low, ... up to high (high itself last)."""
+    lengths = []
+    n = low
+    while n < high:
+        lengths.append(n)
+        n *= 2
+    return lengths + [high]
+
+
+def _prompt(engine, n_tokens: int, seed: int) -> list[int]:
+    sample = niah_single(engine.tokenizer, n_tokens, seed, depth=0.5)
+    return engine.encode_chat(prompt_messages(sample))
+
+
+def _run(engine, ids: list[int], new: int) -> Done:
+    for event in engine.generate(ids, GenerationSettings(max_new_tokens=new, ignore_eos=True)):
+        if isinstance(event, Error):
+            raise UserError(event.message)
+        if isinstance(event, Done):
+            return event
+    raise RuntimeError("the engine ended without a Done event")
+
+
+def _row(label: str, policy: str, positions: str, length: int, done: Done) -> dict:
+    return {
+        "row": label, "policy": policy, "positions": positions, "length": length, "prompt_tokens": done.prompt_tokens,
+        "prefill_s": round(done.prefill_s, 3), "prefill_tok_s": round(done.prefill_tps, 1),
+        "prefill_ms_per_token": round(1000 * done.prefill_s / done.prompt_tokens, 3),
+        "new_tokens": done.new_tokens, "decode_tok_s": round(done.decode_tps, 2),
+        "total_ms_per_token": round(1000 * (done.prefill_s + done.decode_s)
+                                    / (done.prompt_tokens + done.new_tokens), 3),
+        "kv_units_per_head": done.kv_tokens, "kv_mib": round(done.kv_bytes / 2**20, 2),
+        "kv_full_mib": round(done.kv_full_bytes / 2**20, 2),
+    }
+
+
+@torch.inference_mode()
+def hf_dynamic_cache(model, ids: list[int], chunk: int, new: int) -> Done:
+    """Full attention through transformers' DynamicCache: chunked prefill, then greedy steps."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    prompt = torch.tensor([ids], device=device)
+    cache = DynamicCache(config=model.config)
+    t0 = time.perf_counter()
+    for start in range(0, prompt.shape[-1], chunk):
+        out = model(input_ids=prompt[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    prefill_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for i in range(new):
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        if i == new - 1:
+            break
+        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+    decode_s = time.perf_counter() - t1
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    return Done(text="", prompt_tokens=len(ids), new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
+                ttft_s=prefill_s, stop_reason="length", kv_tokens=cache.get_seq_length(), kv_bytes=held,
+                kv_full_bytes=held)
+
+
+def check(config: PerfConfig) -> None:
+    for n in [config.length, *config.lengths]:
+        if not MIN_LENGTH <= n <= MAX_LENGTH:
+            raise UserError(f"length {n} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
+    for value, what in ((config.decode_tokens, "--decode-tokens"), (config.chunk, "--chunk"),
+                        (config.budget, "--budget")):
+        if value is not None and value < 1:
+            raise UserError(f"{what} must be at least 1 (got {value})")
+
+
+def measure(config: PerfConfig, say=lambda s: None) -> dict:
+    check(config)
+
+    def cell(policy: str, budget: int | None, positions: str) -> Cell:
+        return Cell(task="niah_single", length=config.length, policy=policy, budget=budget, n=1, seed=config.seed,
+                    model_spec=config.model, heads=config.heads if policy == "locret" else None,
+                    chunk=config.chunk or default_chunk(config.model), positions=positions,
+                    max_new_tokens=config.decode_tokens)
+
+    engine = load_engine(cell("full", None, "original"))
+    if engine.window and config.length >= engine.window:
+        raise UserError(f"--length {config.length} must be below {engine.name}'s window ({engine.window}) "
+                        f"for full attention at original positions")
+    ids = _prompt(engine, config.length, config.seed)
+    use_policy(engine, cell("full", None, "original"))
+    say(f"perf: full, {len(ids)} tokens")
+    full = _row("full (ours: in-place KVCache)", "full", "original", config.length,
+                _run(engine, ids, config.decode_tokens))
+    say("perf: full through transformers DynamicCache")
+    hf = _row("full (transformers DynamicCache, HF default path)", "full", "original", config.length,
+              hf_dynamic_cache(engine.model, ids, engine.chunk, config.decode_tokens))
+    budget = config.budget or (engine.card.locret.get("budget") if engine.card else None) or 1024
+    use_policy(engine, cell("locret", budget, "compact"))
+    say(f"perf: locret b={budget}")
+    locret = _row("locret", "locret", "compact", config.length, _run(engine, ids, config.decode_tokens))
+    scaling = []
+    for n in config.lengths:
+        say(f"perf: locret scaling, {n} tokens")
+        done = _run(engine, _prompt(engine, n, config.seed), config.scaling_decode_tokens)
+        scaling.append(_row("locret", "locret", "compact", n, done))
+    per_token = [r["total_ms_per_token"] for r in scaling]
+    policy = engine.policy
+    return {
+        "command": config.command,
+        "setup": {
+            "model": engine.name, "model_spec": config.model, "device": engine.device.type, "chunk": engine.chunk,
+            "length": config.length, "scaling_lengths": config.lengths, "decode_tokens": config.decode_tokens,
+            "scaling_decode_tokens": config.scaling_decode_tokens, "seed": config.seed, "heads": config.heads,
+            "locret": {"budget": policy.budget, "stabilizers": getattr(policy, "stabilizers", None),
+                       "local": policy.local},
+            "prompt": "niah_single document at depth 0.5 in the app's layout (render.user_turn)",
+            "date": time.strftime("%Y-%m-%d"), "peak_rss_bytes": machine.max_rss_bytes(),
+        },
+        "hardware": machine.hardware(), "versions": machine.versions(),
+        "side_by_side": [full, locret, hf],
+        "locret_scaling": scaling,
+        "ratios": {
+            "prefill_locret_vs_full": round(locret["prefill_tok_s"] / full["prefill_tok_s"], 2),
+            "decode_locret_vs_full": round(locret["decode_tok_s"] / full["decode_tok_s"], 2),
+            "decode_locret_vs_hf_dynamic_cache": round(locret["decode_tok_s"] / hf["decode_tok_s"], 2),
+            "decode_full_vs_hf_dynamic_cache": round(full["decode_tok_s"] / hf["decode_tok_s"], 2),
+            "kv_smaller_than_full": round(full["kv_mib"] / locret["kv_mib"], 2) if locret["kv_mib"] else None,
+            "total_ms_per_token_spread": round(max(per_token) / min(per_token) - 1, 3) if per_token else None,
+        },
+    }
+
+
+COLUMNS = ["row", "positions", "length", "prompt_tokens", "prefill_tok_s", "prefill_ms_per_token", "decode_tok_s",
+           "total_ms_per_token", "kv_units_per_head", "kv_mib", "kv_full_mib"]
+
+
+def _table(rows: list[dict]) -> list[str]:
+    return ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
+            *("| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows)]
+
+
+def markdown(result: dict) -> str:
+    s, hw, v, r = result["setup"], result["hardware"], result["versions"], result["ratios"]
+    gpu = f", GPU {hw['gpu']}" if hw.get("gpu") else ""
+    lines = [
+        f"# LOCRET vs full attention, {s['model']}, {hw['cpu']} ({hw['cores']} cores{gpu})", "",
+        f"Command: `{result['command']}` ({s['date']}, {s['device']}, torch {v['torch']}, transformers "
+        f"{v['transformers']}, localchat {v['localchat']}, torch threads: {hw['torch_threads']}, "
+        f"seed {s['seed']}).", "",
+        f"Setup: chunk {s['chunk']}; LOCRET b={s['locret']['budget']}, n_s={s['locret']['stabilizers']}, "
+        f"n_loc={s['locret']['local']}, heads {s['heads']}; decode {s['decode_tokens']} tokens (greedy, EOS "
+        f"ignored); prompt: {s['prompt']}.", "",
+        f"## {s['length']}-token document, side by side", "", *_table(result["side_by_side"]), "",
+        f"Ratios: prefill LOCRET / full (ours) {r['prefill_locret_vs_full']}x; decode LOCRET / full (ours) "
+        f"{r['decode_locret_vs_full']}x; decode LOCRET / full (transformers DynamicCache) "
+        f"{r['decode_locret_vs_hf_dynamic_cache']}x; decode full (ours) / full (DynamicCache) "
+        f"{r['decode_full_vs_hf_dynamic_cache']}x; KV {r['kv_smaller_than_full']}x smaller.", "",
+        "The DynamicCache row is the stock transformers path (a cache that concatenates per token), labelled "
+        "apart; the `full (ours)` row is this engine's in-place cache.", "",
+        f"## LOCRET time per token vs length (compact positions, decode {s['scaling_decode_tokens']} tokens)", "",
+        *_table(result["locret_scaling"]), "",
+    ]
+    if r["total_ms_per_token_spread"] is not None:
+        lines += [f"Spread of total ms/token (max/min - 1): {r['total_ms_per_token_spread']:.1%} "
+                  f"(flat = total cost linear in the length).", ""]
+    return "\n".join(lines)
+
+
+def write(result: dict, json_path: Path, md_path: Path) -> None:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    md_path.write_text(markdown(result), encoding="utf-8")
+
+
+def run(config: PerfConfig, say=lambda s: None) -> Path:
+    """Measure and write OUT/perf.json and OUT/perf.md; returns the markdown path."""
+    if config.out is None:
+        raise UserError("perf needs --out DIR")
+    result = measure(config, say)
+    write(result, config.out / "perf.json", config.out / "perf.md")
+    return config.out / "perf.md"
+

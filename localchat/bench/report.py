@@ -1,0 +1,240 @@
+"""`localchat bench report DIR`: DIR/results.jsonl -> DIR/report.md and PNG plots.
+
+Accuracy is the mean score over the examples of a cell (for common_words the mean recall); rows with
+an error (e.g. a prompt past the model's window) are counted apart and left out of every mean. Plots
+need matplotlib (the `plot` extra); without it only report.md is written, with a one-line notice.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from statistics import mean
+
+from localchat.bench.runner import RESULTS
+from localchat.errors import UserError
+
+PLOT_NOTICE = "plots need `pip install 'localchat[plot]'` (matplotlib is not installed); wrote report.md only"
+MIB = 2**20
+
+
+def load_rows(directory: Path) -> list[dict]:
+    path = directory / RESULTS
+    if not path.is_file():
+        raise UserError(f"no {RESULTS} in {directory}; run `localchat bench ... --out {directory}` first")
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line from an interrupted run
+            continue
+    if not rows:
+        raise UserError(f"{path} holds no results yet")
+    return rows
+
+
+def _ordered(values: Iterable) -> list:
+    """Distinct values: numbers ascending (None first), anything else in order of appearance."""
+    seen = list(dict.fromkeys(values))
+    if all(v is None or isinstance(v, int) for v in seen):
+        return sorted(seen, key=lambda v: -1 if v is None else v)
+    return seen
+
+
+def _group(rows: list[dict], *fields: str) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[tuple(row.get(f) for f in fields)].append(row)
+    return groups
+
+
+def _ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if not r.get("error")]
+
+
+def _budget(b) -> str:
+    return "-" if b is None else str(b)
+
+
+def _table(header: list[str], body: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in line) + " |" for line in body)]
+
+
+def _accuracy_cell(rows: list[dict]) -> str:
+    ok = _ok(rows)
+    errors = len(rows) - len(ok)
+    if not ok:
+        return f"error ({errors})"
+    text = f"{mean(r['score'] for r in ok):.2f} (n={len(ok)})"
+    return text + (f", {errors} err" if errors else "")
+
+
+def accuracy_table(rows: list[dict]) -> list[str]:
+    lengths = _ordered(r["length"] for r in rows)
+    groups = _group(rows, "task", "policy", "budget", "length")
+    body = []
+    for task in _ordered(r["task"] for r in rows):
+        for policy in _ordered(r["policy"] for r in rows if r["task"] == task):
+            for budget in _ordered(r["budget"] for r in rows if r["task"] == task and r["policy"] == policy):
+                cells = [_accuracy_cell(groups[(task, policy, budget, n)]) if groups.get((task, policy, budget, n))
+                         else "" for n in lengths]
+                body.append([task, policy, _budget(budget), *cells])
+    return _table(["task", "policy", "budget", *(f"{n} tokens" for n in lengths)], body)
+
+
+def _setting_rows(rows: list[dict]) -> list[tuple[tuple, list[dict]]]:
+    """(policy, budget, length) groups in a stable order, error rows left out."""
+    groups = _group(_ok(rows), "policy", "budget", "length")
+    order = [(p, b, n) for p in _ordered(r["policy"] for r in rows) for b in _ordered(r["budget"] for r in rows)
+             for n in _ordered(r["length"] for r in rows)]
+    return [(key, groups[key]) for key in order if groups.get(key)]
+
+
+def speed_table(rows: list[dict]) -> list[str]:
+    body = []
+    for (policy, budget, length), group in _setting_rows(rows):
+        followups = [f["total_s"] for r in group for f in (r.get("followups") or [])]
+        body.append([
+            policy, _budget(budget), length, len(group), f"{mean(r['prompt_tokens'] for r in group):,.0f}",
+            f"{mean(r['prefill_tps'] for r in group):,.0f}",
+            f"{1000 * mean(r['prefill_s'] / r['prompt_tokens'] for r in group):.2f}",
+            f"{mean(r['decode_tps'] for r in group):.1f}", f"{mean(r['ttft_s'] for r in group):.2f}",
+            f"{mean(followups):.2f}" if followups else "-",
+        ])
+    return _table(["policy", "budget", "length", "N", "prompt tokens", "prefill tok/s", "prefill ms/token",
+                   "decode tok/s", "TTFT s", "multiturn follow-up s"], body)
+
+
+def memory_table(rows: list[dict]) -> list[str]:
+    body = []
+    for (policy, budget, length), group in _setting_rows(rows):
+        body.append([
+            policy, _budget(budget), length, len(group), f"{mean(r['kv_bytes'] for r in group) / MIB:.1f}",
+            f"{mean(r['kv_full_bytes'] for r in group) / MIB:.1f}", f"{mean(r['compression'] for r in group):.2f}x",
+            f"{max(r['peak_memory_bytes'] for r in group) / MIB:,.0f}",
+            f"{max(r.get('rss_after_load_bytes') or 0 for r in group) / MIB:,.0f}",
+            ", ".join(sorted({r.get("memory_mode", "?") for r in group})),
+        ])
+    return _table(["policy", "budget", "length", "N", "KV kept MiB", "KV full MiB", "compression",
+                   "peak memory MiB", "after load MiB", "memory mode"], body)
+
+
+def _setup_lines(rows: list[dict]) -> list[str]:
+    first = rows[0]
+    hw, ver = first.get("hardware", {}), first.get("versions", {})
+    gpu = f", GPU {hw['gpu']}" if hw.get("gpu") else ""
+    lines = [
+        f"Model: {', '.join(_ordered(r.get('model') for r in rows))}; device {first.get('device')}; "
+        f"{hw.get('cpu')} ({hw.get('cores')} cores, torch threads: {hw.get('torch_threads')}){gpu}.",
+        f"Versions: torch {ver.get('torch')}, transformers {ver.get('transformers')}, "
+        f"localchat {ver.get('localchat')}, Python {ver.get('python')}.",
+        f"Settings: chunk {', '.join(map(str, _ordered(r.get('chunk') for r in rows)))}; positions "
+        f"{', '.join(map(str, _ordered(r.get('positions') for r in rows)))}; heads "
+        f"{', '.join(str(h) for h in _ordered(r.get('heads') for r in rows) if h) or '-'}; seed "
+        f"{', '.join(map(str, _ordered(r.get('seed') for r in rows)))}; greedy decoding.",
+        f"Rows: {len(rows)} ({len(rows) - len(_ok(rows))} with errors), {min(r.get('time', '') for r in rows)} to "
+        f"{max(r.get('time', '') for r in rows)}.",
+    ]
+    commands = [c for c in _ordered(r.get("command") for r in rows) if c]
+    lines += [f"Command: `{c}`" for c in commands]
+    return lines
+
+
+def write_report(directory: Path, say: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> Path:
+    rows = load_rows(directory)
+    plots, notice = _plots(rows, directory)
+    md = ["# localchat bench report", "", *(f"{line}  " for line in _setup_lines(rows)), "",
+          "## Accuracy (mean score, N examples per cell)", "", *accuracy_table(rows), "",
+          "## Speed (means over the cell's examples)", "", *speed_table(rows), "",
+          "## Memory (KV bytes kept vs a full cache; peak memory is the cell's largest)", "", *memory_table(rows), ""]
+    if notice:
+        md += [notice, ""]
+        say(notice)
+    if plots:
+        md += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
+    path = directory / "report.md"
+    path.write_text("\n".join(md), encoding="utf-8")
+    return path
+
+
+def _plots(rows: list[dict], directory: Path) -> tuple[list[Path], str | None]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], PLOT_NOTICE
+    written = [_accuracy_plot(plt, rows, task, directory) for task in _ordered(r["task"] for r in rows)]
+    written += [_time_memory_plot(plt, rows, directory), _prefill_plot(plt, rows, directory)]
+    return written, None
+
+
+def _accuracy_plot(plt, rows: list[dict], task: str, directory: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    mine = _ok([r for r in rows if r["task"] == task])
+    budgets = [b for b in _ordered(r["budget"] for r in mine) if b is not None]
+    colours = {p: f"C{i}" for i, p in enumerate(_ordered(r["policy"] for r in rows))}
+    markers = {n: "osD^v<>"[i % 7] for i, n in enumerate(_ordered(r["length"] for r in rows))}
+    for (policy, length), group in _group(mine, "policy", "length").items():
+        by_budget = _group(group, "budget")
+        style = {"color": colours[policy], "label": f"{policy} {length}"}
+        if (None,) in by_budget:  # full: one level across every budget
+            ax.axhline(mean(r["score"] for r in by_budget[(None,)]), linestyle="--", **style)
+            continue
+        xs = [b for b in budgets if (b,) in by_budget]
+        ax.plot(xs, [mean(r["score"] for r in by_budget[(b,)]) for b in xs], marker=markers[length],
+                fillstyle="none", **style)
+    if budgets:
+        ax.set_xscale("log", base=2)
+    ax.set(title=f"{task}: accuracy vs budget", xlabel="budget (units per KV head per layer)", ylabel="accuracy",
+           ylim=(-0.05, 1.05))
+    ax.legend(fontsize=7)
+    return _save(plt, fig, directory / f"accuracy-{task}.png")
+
+
+def _time_memory_plot(plt, rows: list[dict], directory: Path) -> Path:
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    series = _group(_ok(rows), "policy", "budget")
+    for (policy, budget), group in series.items():
+        by_length = sorted(_group(group, "length").items())
+        xs = [length for (length,), _ in by_length]
+        label = policy if budget is None else f"{policy} b={budget}"
+        axes[0].plot(xs, [1000 * mean(r["prefill_s"] / r["prompt_tokens"] for r in g) for _, g in by_length],
+                     marker="o", label=label)
+        axes[1].plot(xs, [1000 * mean(r["decode_s"] / max(r["new_tokens"], 1) for r in g) for _, g in by_length],
+                     marker="o", label=label)
+        axes[2].plot(xs, [max(r["peak_memory_bytes"] for r in g) / MIB for _, g in by_length], marker="o", label=label)
+    for ax, title in zip(axes, ("prefill ms per prompt token", "decode ms per token", "peak memory MiB")):
+        ax.set(title=title, xlabel="document tokens")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    return _save(plt, fig, directory / "time-memory.png")
+
+
+def _prefill_plot(plt, rows: list[dict], directory: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    groups = _setting_rows(rows)
+    lengths = _ordered(n for (_, _, n), _ in groups)
+    labels = list(dict.fromkeys(p if b is None else f"{p} b={b}" for (p, b, _), _ in groups))
+    width = 0.8 / max(len(lengths), 1)
+    for j, length in enumerate(lengths):
+        values = {(p if b is None else f"{p} b={b}"): mean(r["prefill_tps"] for r in g)
+                  for (p, b, n), g in groups if n == length}
+        ax.bar([i + j * width for i in range(len(labels))], [values.get(label, 0) for label in labels], width,
+               label=f"{length} tokens")
+    ax.set_xticks([i + width * (len(lengths) - 1) / 2 for i in range(len(labels))], labels, rotation=20, fontsize=8)
+    ax.set(title="prefill tokens/s per policy", ylabel="tokens/s")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, directory / "prefill-tps.png")
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

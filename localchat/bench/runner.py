@@ -1,0 +1,178 @@
+"""The benchmark grid: tasks × lengths × policies × budgets × N seeded examples, into one JSONL file.
+
+Each cell (task, length, policy, budget) runs in a fresh `python -m localchat.bench.cell` process, so
+its peak RSS is its own (on CUDA the peak is `torch.cuda.max_memory_allocated` per example);
+`in_process=True` runs the cells here instead (tests; memory figures are then the whole process's).
+Resumable: an example whose settings already have a row in OUT/results.jsonl is not run again, and a
+cell with nothing left is skipped. `full` ignores budgets (one cell set, budget null).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from localchat.bench.cell import Cell, row_key, run_cell
+from localchat.bench.tasks import ANSWER_TOKENS, TASKS
+from localchat.engine.cache import POSITION_MODES
+from localchat.engine.policies import POLICIES
+from localchat.errors import UserError
+
+RESULTS = "results.jsonl"
+MAX_LENGTH = 128 * 1024
+MIN_LENGTH = 64
+
+
+@dataclass
+class BenchConfig:
+    tasks: list[str]
+    lengths: list[int]
+    policies: list[str]
+    budgets: list[int]
+    n: int
+    out: Path
+    model: str | None = None
+    heads: str | None = None
+    chunk: int | None = None
+    positions: str | None = None
+    seed: int = 0
+    answer_tokens: int | None = None  # None: each task's own limit (tasks.ANSWER_TOKENS)
+    in_process: bool = False
+    command: str = ""
+    engines: dict = field(default_factory=dict, repr=False)  # in-process: loaded engines by (model, chunk)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def check(config: BenchConfig) -> None:
+    """Raise UserError naming the first bad setting."""
+    def pick(kind: str, names: list[str], known) -> None:
+        for name in names:
+            if name not in known:
+                raise UserError(f"unknown {kind} {name!r}; choose from: {', '.join(known)}")
+        if not names:
+            raise UserError(f"no {kind} given")
+
+    pick("task", config.tasks, TASKS)
+    pick("policy", config.policies, POLICIES)
+    if not config.lengths:
+        raise UserError("no length given")
+    for length in config.lengths:
+        if not MIN_LENGTH <= length <= MAX_LENGTH:
+            raise UserError(f"length {length} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
+    if any(POLICIES[p].evicts for p in config.policies) and not config.budgets:
+        raise UserError("evicting policies need --budgets")
+    for value, what in [*((b, "budget") for b in config.budgets), (config.n, "-n"),
+                        (config.chunk, "--chunk"), (config.answer_tokens, "--answer-tokens")]:
+        if value is not None and value < 1:
+            raise UserError(f"{what} must be at least 1 (got {value})")
+    if config.positions is not None and config.positions not in POSITION_MODES:
+        raise UserError(f"unknown position mode {config.positions!r}; choose from: {', '.join(POSITION_MODES)}")
+    if "locret" in config.policies and not config.heads and not _ships_heads(config.model):
+        raise UserError("locret needs retaining heads and none ship for this model yet; pass --heads DIR, "
+                        "or --heads random (an ablation)")
+
+
+def _ships_heads(model: str | None) -> bool:
+    from types import SimpleNamespace
+
+    from localchat.engine.cards import default_card, find_card
+    from localchat.engine.policy_setup import shipped_heads_dir
+
+    card = default_card() if model is None else find_card(model)
+    return shipped_heads_dir(SimpleNamespace(card=card)) is not None
+
+
+def default_chunk(model: str | None) -> int:
+    """The chunk the engine will use for `model` (its card's, else the engine default)."""
+    from localchat.engine.cards import default_card, find_card
+    from localchat.engine.engine import DEFAULT_CHUNK
+
+    card = default_card() if model is None else find_card(model)
+    return int((card.locret.get("chunk") if card else 0) or DEFAULT_CHUNK)
+
+
+def plan(config: BenchConfig) -> list[Cell]:
+    chunk = config.chunk or default_chunk(config.model)
+    cells = []
+    for task in config.tasks:
+        for length in config.lengths:
+            for policy in config.policies:
+                evicts = POLICIES[policy].evicts
+                for budget in config.budgets if evicts else [None]:
+                    cells.append(Cell(
+                        task=task, length=length, policy=policy, budget=budget, n=config.n, seed=config.seed,
+                        model_spec=config.model, heads=config.heads if policy == "locret" else None, chunk=chunk,
+                        positions=config.positions or ("compact" if evicts else "original"),
+                        max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task],
+                    ))
+    return cells
+
+
+def finished(path: Path) -> set[str]:
+    """Keys of the examples that already have a row; a torn last line (a killed run) is cut off."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+    keys = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            keys.add(row_key(json.loads(line)))
+        except json.JSONDecodeError:
+            continue
+    return keys
+
+
+def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
+    check(config)
+    config.out.mkdir(parents=True, exist_ok=True)
+    path = config.out / RESULTS
+    done = finished(path)
+    todo = [(cell, [i for i in range(config.n) if cell.key(i) not in done]) for cell in plan(config)]
+    total = len(todo) * config.n
+    at = total - sum(len(examples) for _, examples in todo)
+    say(f"bench: {len(todo)} cells, {total} examples, {at} already in {path}")
+    for cell, examples in todo:
+        if not examples:
+            continue
+        if config.in_process:
+            key = (cell.model_spec, cell.chunk)
+            if key not in config.engines:
+                from localchat.bench.cell import load_engine
+
+                config.engines[key] = load_engine(cell)
+            run_cell(cell, examples, path, engine=config.engines[key], memory="in-process",
+                     progress=(at, total), command=config.command, say=say)
+        else:
+            _run_subprocess(cell, examples, path, (at, total), config.command)
+        at += len(examples)
+    say(f"bench: results in {path}; tables and plots: localchat bench report {config.out}")
+    return path
+
+
+def _run_subprocess(cell: Cell, examples: list[int], path: Path, progress: tuple[int, int], command: str) -> None:
+    spec = {"cell": asdict(cell), "examples": examples, "out": str(path), "progress": list(progress),
+            "command": command}
+    proc = subprocess.Popen([sys.executable, "-m", "localchat.bench.cell", json.dumps(spec)],
+                            stderr=subprocess.PIPE, text=True)
+    last = ""
+    assert proc.stderr is not None
+    for line in proc.stderr:  # pass the cell's lines through; its error line is raised here instead
+        last = line.strip() or last
+        if not line.startswith("localchat: error: "):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    code = proc.wait()
+    if code == 2:
+        raise UserError(last.removeprefix("localchat: error: "))
+    if code != 0:
+        raise RuntimeError(f"cell {cell.label()} failed with exit code {code}: {last}")

@@ -1,0 +1,194 @@
+"""`localchat bench` on a tiny random Llama: JSONL rows, resume, the subprocess cell, report, perf, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from localchat.bench.report import PLOT_NOTICE, write_report
+from localchat.bench.runner import RESULTS, BenchConfig, run
+from localchat.cli import main
+from tiny import save_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("tiny-bench")))
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """Tiny models run fastest on one thread (and do not fight a busy CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for cell subprocesses
+    yield
+    torch.set_num_threads(threads)
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / RESULTS).read_text().splitlines()]
+
+
+def _grid(argv_tail, tiny_dir, out):
+    return ["bench", "--model", tiny_dir, "--chunk", "64", "--answer-tokens", "2", "--out", str(out), *argv_tail]
+
+
+def test_runner_writes_rows_and_resumes(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "grid"
+    argv = _grid(["--tasks", "passkey,niah_single", "--lengths", "256", "--policies", "full,locret",
+                  "--budgets", "64", "-n", "2", "--heads", "random", "--in-process"], tiny_dir, out)
+    assert main(argv) == 0
+    rows = _rows(out)
+    assert len(rows) == 8 and len({(r["task"], r["policy"], r["example"]) for r in rows}) == 8
+    for r in rows:
+        assert r["model_spec"] == tiny_dir and r["length"] == 256 and r["chunk"] == 64 and r["n"] == 2
+        assert r["error"] is None and r["score"] in (0.0, 1.0) and r["correct"] == (r["score"] == 1.0)
+        assert r["expected"] and isinstance(r["output"], str) and r["n_tokens"] <= 256
+        assert r["prefill_s"] > 0 and r["prefill_tps"] > 0 and r["ttft_s"] >= r["prefill_s"]
+        assert r["kv_bytes"] > 0 and r["kv_full_bytes"] >= r["kv_bytes"] and r["compression"] >= 1
+        assert r["peak_memory_bytes"] > 0 and r["memory_mode"] == "in-process"
+        assert r["hardware"]["cores"] and {"torch", "transformers", "localchat"} <= set(r["versions"])
+        assert r["command"].startswith("localchat bench --tasks passkey,niah_single")
+    full = [r for r in rows if r["policy"] == "full"]
+    locret = [r for r in rows if r["policy"] == "locret"]
+    assert all(r["budget"] is None and r["positions"] == "original" and r["heads"] is None for r in full)
+    assert all(r["budget"] == 64 and r["positions"] == "compact" and r["heads"] == "random" for r in locret)
+    assert all(r["stabilizers"] == 16 and r["compression"] > 1 for r in locret)
+    assert sorted(r["depth"] for r in full if r["task"] == "passkey") == [0.0, 1.0]
+    # Interrupted run: the last 3 rows are lost; a rerun does only those.
+    lines = (out / RESULTS).read_text().splitlines(keepends=True)
+    (out / RESULTS).write_text("".join(lines[:-3]) + lines[-3][:10])  # plus a torn line
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "8 examples, 5 already" in err and err.count("bench [") == 3
+    keys = {(r["task"], r["policy"], r["example"]) for r in _rows(out) if "policy" in r}
+    assert len(keys) == 8
+    assert main(argv) == 0 and "8 already" in capsys.readouterr().err
+
+
+def test_multiturn_times_every_follow_up(tiny_dir, tmp_path):
+    config = BenchConfig(tasks=["multiturn"], lengths=[200], policies=["streaming"], budgets=[48], n=1,
+                         out=tmp_path, model=tiny_dir, chunk=32, answer_tokens=2, in_process=True)
+    run(config, say=lambda line: None)
+    (row,) = _rows(tmp_path)
+    turns = row["followups"]
+    assert [t["turn"] for t in turns] == [1, 2, 3, 4] and turns[-1]["prompt_tokens"] == row["prompt_tokens"]
+    assert all(t["total_s"] >= t["prefill_s"] > 0 for t in turns)
+
+
+def test_a_cell_runs_in_its_own_process(tiny_dir, tmp_path):
+    config = BenchConfig(tasks=["passkey"], lengths=[128], policies=["full"], budgets=[], n=1, out=tmp_path,
+                         model=tiny_dir, chunk=64, answer_tokens=2)
+    run(config, say=lambda line: None)
+    (row,) = _rows(tmp_path)
+    assert row["memory_mode"] == "subprocess" and row["error"] is None
+    assert row["peak_memory_bytes"] >= row["rss_after_load_bytes"] > 10 * 2**20
+
+
+def _fake_rows():
+    base = {"model": "m", "device": "cpu", "hardware": {"cpu": "x", "cores": 2, "torch_threads": 2, "gpu": None},
+            "versions": {"torch": "t", "transformers": "tr", "localchat": "l", "python": "p"}, "chunk": 64,
+            "positions": "compact", "heads": None, "seed": 0, "command": "localchat bench ...", "error": None,
+            "prompt_tokens": 100, "new_tokens": 4, "prefill_s": 0.5, "decode_s": 0.1, "ttft_s": 0.5,
+            "prefill_tps": 200.0, "decode_tps": 40.0, "kv_bytes": 1000, "kv_full_bytes": 4000, "compression": 4.0,
+            "peak_memory_bytes": 2**28, "rss_after_load_bytes": 2**27, "memory_mode": "subprocess",
+            "time": "2026-01-01T00:00:00", "followups": None}
+    rows = []
+    for task in ("passkey", "niah_single"):
+        for policy, budget in (("full", None), ("locret", 64), ("locret", 128)):
+            for length in (256, 512):
+                n = 3 if length == 256 else 2
+                for i in range(n):
+                    rows.append({**base, "task": task, "policy": policy, "budget": budget, "length": length,
+                                 "example": i, "score": float(i == 0)})
+    rows.append({**base, "task": "passkey", "policy": "full", "budget": None, "length": 512, "example": 9,
+                 "error": "the prompt is too long", "score": None})
+    return rows
+
+
+def test_report_counts_each_cell(tmp_path, capsys):
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in _fake_rows()))
+    assert main(["bench", "report", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "| passkey | full | - | 0.33 (n=3) | 0.50 (n=2), 1 err |" in md
+    assert "| niah_single | locret | 128 | 0.33 (n=3) | 0.50 (n=2) |" in md
+    assert "| locret | 64 | 512 | 4 |" in md  # speed/memory tables: N over both tasks
+    assert "4.00x" in md and "Command: `localchat bench ...`" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert PLOT_NOTICE in md
+    else:
+        pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+        assert pngs == ["accuracy-niah_single.png", "accuracy-passkey.png", "prefill-tps.png", "time-memory.png"]
+        assert all(f"({name})" in md for name in pngs)
+
+
+def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in _fake_rows()))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    write_report(tmp_path, say=print)
+    assert PLOT_NOTICE in (tmp_path / "report.md").read_text() and not list(tmp_path.glob("*.png"))
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "pip install 'localchat[plot]'" in out
+
+
+def test_perf_writes_every_row(tiny_dir, tmp_path, capsys):
+    argv = ["bench", "perf", "--out", str(tmp_path), "--model", tiny_dir, "--chunk", "64", "--length", "256",
+            "--min-length", "128", "--max-length", "300", "--budget", "64", "--decode-tokens", "3"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "perf.json").read_text())
+    rows = result["side_by_side"]
+    assert [r["policy"] for r in rows] == ["full", "locret", "full"] and "DynamicCache" in rows[2]["row"]
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["new_tokens"] == 3 for r in rows)
+    assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"] == rows[2]["prompt_tokens"]
+    assert rows[1]["kv_mib"] < rows[0]["kv_mib"] == rows[2]["kv_mib"]
+    assert [r["length"] for r in result["locret_scaling"]] == [128, 256, 300]
+    assert set(result["ratios"]) >= {"prefill_locret_vs_full", "decode_locret_vs_full",
+                                     "decode_locret_vs_hf_dynamic_cache", "decode_full_vs_hf_dynamic_cache"}
+    assert result["command"].startswith("localchat bench perf --out") and result["hardware"]["cores"]
+    md = (tmp_path / "perf.md").read_text()
+    assert "transformers DynamicCache" in md and result["command"] in md
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["bench", "--tasks", "nope", "--out", "D"], "unknown task 'nope'"),
+        (["bench", "--policies", "full,zz", "--out", "D"], "unknown policy 'zz'"),
+        (["bench", "--lengths", "4k,12q", "--out", "D"], "bad length '12q'"),
+        (["bench", "--lengths", "10", "--out", "D"], "length 10 is out of range"),
+        (["bench", "--lengths", "200k", "--out", "D"], "out of range"),
+        (["bench", "--budgets", "big", "--out", "D"], "--budgets takes whole numbers"),
+        (["bench", "-n", "0", "--out", "D"], "-n must be at least 1"),
+        (["bench", "--positions", "sideways", "--out", "D"], "unknown position mode"),
+        (["bench", "--chunk", "0", "--out", "D"], "--chunk"),
+        (["bench"], "needs --out"),
+        (["bench", "--policies", "full,locret", "--model", "/some/dir", "--out", "D"], "locret needs retaining heads"),
+        (["bench", "perf"], "needs --out"),
+        (["bench", "perf", "--out", "D", "--min-length", "9000", "--max-length", "4096"], "above --max-length"),
+        (["bench", "report", "/no/such/dir"], "no results.jsonl"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "D").exists()
+
+
+@pytest.mark.model
+def test_passkey_cell_on_smollm2(smollm2, tmp_path):
+    """The real default model finds 2K-token pass keys with full attention, through the bench runner."""
+    config = BenchConfig(tasks=["passkey"], lengths=[2048], policies=["full"], budgets=[], n=2, out=tmp_path,
+                         in_process=True)
+    config.engines[(None, smollm2.chunk)] = smollm2  # reuse the session's engine
+    run(config, say=lambda line: None)
+    rows = _rows(tmp_path)
+    assert [r["score"] for r in rows] == [1.0, 1.0] and rows[0]["model"] == "SmolLM2-135M-Instruct"
