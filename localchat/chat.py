@@ -10,9 +10,9 @@ import sys
 import threading
 
 from localchat.documents import Document, load_document, parse_path_input
-from localchat.engine.events import Done, Error, Progress, Token
+from localchat.engine.events import Error
 from localchat.errors import UserError
-from localchat.render import ProgressBar, user_turn
+from localchat.render import stream_to, user_turn
 
 HELP = "commands: /attach PATH  /new  /help  /quit   (paste a file path to attach it; Ctrl+C stops an answer)"
 
@@ -66,30 +66,14 @@ def run_chat(args, settings, stdin=sys.stdin, stdout=sys.stdout) -> int:
 
 def _answer(engine, messages, settings, stdout) -> str | None:
     cancel = threading.Event()
-    bar = ProgressBar()
-    events = engine.chat(messages, settings, cancel)
     stdout.write("bot> ")
-    try:
-        for ev in events:
-            if isinstance(ev, Progress):
-                bar.update(ev)
-            elif isinstance(ev, Token):
-                bar.clear()
-                stdout.write(ev.text)
-                stdout.flush()
-            elif isinstance(ev, Done):
-                bar.clear()
-                print(f"\n({ev.prompt_tokens:,} tokens read at {ev.prefill_tps:,.0f} tok/s, "
-                      f"{ev.new_tokens} written at {ev.decode_tps:,.1f} tok/s)", file=stdout)
-                return ev.text if ev.stop_reason != "cancelled" else None
-            elif isinstance(ev, Error):
-                bar.clear()
-                print(f"\nerror: {ev.message}", file=stdout)
-                return None
-    except KeyboardInterrupt:
-        cancel.set()
-        for _ in events:
-            pass
-        bar.clear()
+    final = stream_to(engine.chat(messages, settings, cancel), cancel, stdout)
+    if final is None:
         print("\n(stopped)", file=stdout)
-    return None
+        return None
+    if isinstance(final, Error):
+        print(f"\nerror: {final.message}", file=stdout)
+        return None
+    print(f"\n({final.prompt_tokens:,} tokens read at {final.prefill_tps:,.0f} tok/s, "
+          f"{final.new_tokens} written at {final.decode_tps:,.1f} tok/s)", file=stdout)
+    return final.text if final.stop_reason != "cancelled" else None

@@ -117,9 +117,8 @@ def run_policies() -> int:
 
 def run_ask(args) -> int:
     from localchat.documents import load_document
-    from localchat.engine.engine import Engine
-    from localchat.engine.events import Done, Error, Progress, Token
-    from localchat.render import ProgressBar, user_turn
+    from localchat.engine.events import Error
+    from localchat.render import stream_to, user_turn
 
     if not args.question.strip():
         raise UserError("the question is empty; put it in quotes after `ask`")
@@ -128,35 +127,18 @@ def run_ask(args) -> int:
     engine = load_engine(args)
     messages = [{"role": "user", "content": user_turn(args.question, docs)}]
     cancel = threading.Event()
-    bar = ProgressBar()
-    events = engine.chat(messages, _settings(args), cancel)
-    try:
-        for ev in events:
-            if isinstance(ev, Progress):
-                bar.update(ev)
-            elif isinstance(ev, Token):
-                bar.clear()
-                sys.stdout.write(ev.text)
-                sys.stdout.flush()
-            elif isinstance(ev, Done):
-                bar.clear()
-                sys.stdout.write("\n")
-                if args.stats:
-                    print(stats_line(engine, ev), file=sys.stderr)
-                return EXIT_OK
-            elif isinstance(ev, Error):
-                bar.clear()
-                if isinstance(ev.exc, UserError):
-                    raise ev.exc
-                raise RuntimeError(ev.message) from ev.exc
-    except KeyboardInterrupt:
-        cancel.set()
-        for _ in events:  # let the engine stop at the next chunk or token
-            pass
-        bar.clear()
+    final = stream_to(engine.chat(messages, _settings(args), cancel), cancel, sys.stdout)
+    if final is None:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    return EXIT_FAIL
+    if isinstance(final, Error):
+        if isinstance(final.exc, UserError):
+            raise final.exc
+        raise RuntimeError(final.message) from final.exc
+    sys.stdout.write("\n")
+    if args.stats:
+        print(stats_line(engine, final), file=sys.stderr)
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

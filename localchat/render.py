@@ -6,7 +6,7 @@ import sys
 from typing import TextIO
 
 from localchat.documents import Document
-from localchat.engine.events import Progress
+from localchat.engine.events import Done, Error, Progress, Token
 
 
 def user_turn(question: str, documents: list[Document]) -> str:
@@ -56,3 +56,29 @@ class ProgressBar:
             self.stream.write("\r" + " " * (self.width + 70) + "\r")
             self.stream.flush()
             self.drawn = False
+
+
+def stream_to(events, cancel, out: TextIO) -> Done | Error | None:
+    """Draw prefill progress, write answer tokens to `out`; return the final Done or Error.
+
+    Ctrl+C sets `cancel`, lets the engine stop at its next chunk or token, and returns None.
+    """
+    bar = ProgressBar()
+    try:
+        for ev in events:
+            if isinstance(ev, Progress):
+                bar.update(ev)
+                continue
+            bar.clear()
+            if isinstance(ev, Token):
+                out.write(ev.text)
+                out.flush()
+            else:
+                return ev
+    except KeyboardInterrupt:
+        cancel.set()
+        for _ in events:
+            pass
+    finally:
+        bar.clear()
+    return None
