@@ -136,6 +136,7 @@ def run_ask(args) -> int:
             raise final.exc
         raise RuntimeError(final.message) from final.exc
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if args.stats:
         print(stats_line(engine, final), file=sys.stderr)
     return EXIT_OK

@@ -192,3 +192,14 @@ def test_passkey_cell_on_smollm2(smollm2, tmp_path):
     run(config, say=lambda line: None)
     rows = _rows(tmp_path)
     assert [r["score"] for r in rows] == [1.0, 1.0] and rows[0]["model"] == "SmolLM2-135M-Instruct"
+
+
+def test_report_keeps_locret_heads_apart(tmp_path):
+    import json
+
+    from localchat.bench.report import load_rows
+
+    rows = [{"policy": "locret", "heads": "random"}, {"policy": "locret", "heads": "/x/trained-d256"},
+            {"policy": "full", "heads": None}]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["policy"] for r in load_rows(tmp_path)] == ["locret[random]", "locret[trained-d256]", "full"]

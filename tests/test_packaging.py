@@ -20,6 +20,8 @@ def test_wheel_ships_data_inside_the_package(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "localchat/kernels/__init__.py" in names
     assert "localchat/models/smollm2-135m-instruct.toml" in names
+    assert "localchat/models/smollm2-135m-instruct/heads.safetensors" in names  # the shipped heads
+    assert "localchat/models/smollm2-135m-instruct/heads.json" in names
     assert "localchat/builtin_profiles/__init__.py" in names
     assert "localchat/engine/engine.py" in names and "localchat/cli.py" in names
     sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "localchat").rglob("*.py")}

@@ -33,6 +33,9 @@ def load_rows(directory: Path) -> list[dict]:
             continue
     if not rows:
         raise UserError(f"{path} holds no results yet")
+    for row in rows:  # LOCRET runs with different heads are different rows of every table
+        if row["policy"] == "locret" and row.get("heads"):
+            row["policy"] = f"locret[{Path(str(row['heads'])).name}]"
     return rows
 
 
