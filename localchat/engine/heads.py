@@ -141,6 +141,24 @@ def import_official(source: str | Path, config) -> RetainingHeads:
     return heads
 
 
+def hook_qkv(model, on_qkv) -> list:
+    """Forward hooks that call `on_qkv(layer_idx, qkv)` with the pre-RoPE `[T, (H_q + 2·H_kv)·d]` of each
+    layer (q/k/v projections, or a fused qkv_proj); return the hook handles."""
+    handles = []
+    for i, attn in enumerate(attention_modules(model)):
+        if hasattr(attn, "qkv_proj"):
+            handles.append(attn.qkv_proj.register_forward_hook(lambda m, a, out, i=i: on_qkv(i, out[0])))
+            continue
+        parts: dict[str, torch.Tensor] = {}
+        for name in ("q", "k", "v"):
+            def hook(module, args, out, i=i, name=name, parts=parts):
+                parts[name] = out[0]
+                if name == "v":
+                    on_qkv(i, torch.cat([parts.pop("q"), parts.pop("k"), parts.pop("v")], dim=-1))
+            handles.append(getattr(attn, f"{name}_proj").register_forward_hook(hook))
+    return handles
+
+
 class HeadScorer:
     """Forward hooks on q/k/v projections; after a forward, `take(i)` gives layer i's new scores `[H_kv, T]`."""
 
@@ -149,27 +167,12 @@ class HeadScorer:
         p = next(model.parameters())
         self.heads = heads.to(device=p.device, dtype=p.dtype if p.dtype != torch.float16 else torch.float32)
         self.heads.eval().requires_grad_(False)
+        self.dtype = next(self.heads.parameters()).dtype
         self.new: list[torch.Tensor | None] = [None] * len(heads.layers)
-        self.handles = []
-        for i, attn in enumerate(attention_modules(model)):
-            self.handles += self._hook(i, attn)
+        self.handles = hook_qkv(model, self._score)
 
-    def _hook(self, i: int, attn: nn.Module):
-        parts: dict[str, torch.Tensor] = {}
-
-        def grab(name):
-            def hook(module, args, out):
-                parts[name] = out
-                if name in ("v", "qkv"):
-                    qkv = out if name == "qkv" else torch.cat([parts["q"], parts["k"], out], dim=-1)
-                    x = qkv[0].to(next(self.heads.parameters()).dtype)
-                    self.new[i] = self.heads.layers[i](x).T.float()  # [H_kv, T]
-                    parts.clear()
-            return hook
-
-        if hasattr(attn, "qkv_proj"):
-            return [attn.qkv_proj.register_forward_hook(grab("qkv"))]
-        return [getattr(attn, f"{n}_proj").register_forward_hook(grab(n)) for n in ("q", "k", "v")]
+    def _score(self, i: int, qkv: torch.Tensor) -> None:
+        self.new[i] = self.heads.layers[i](qkv.to(self.dtype)).T.float()  # [H_kv, T]
 
     def take(self, i: int) -> torch.Tensor:
         scores, self.new[i] = self.new[i], None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from localchat.engine.cache import KVCache
-from localchat.engine.heads import attention_modules, head_shape
+from localchat.engine.heads import attention_modules, head_shape, hook_qkv
 from localchat.engine.policies.attention_stats import Collector, StatsHook
 from localchat.engine.prefill import forward
 
@@ -29,25 +29,16 @@ class Labels:
 
 
 class _QKVCapture:
-    """Concatenates the q/k/v projection outputs of every layer while `on` is set."""
+    """Keeps the pre-RoPE q|k|v rows of every layer (fp16, on the CPU) while `on` is set."""
 
     def __init__(self, model):
         self.on = True
         self.rows: list[list[torch.Tensor]] = [[] for _ in attention_modules(model)]
-        self.handles = []
-        for i, attn in enumerate(attention_modules(model)):
-            parts: dict[str, torch.Tensor] = {}
-            for name in ("q", "k", "v"):
-                self.handles.append(getattr(attn, f"{name}_proj").register_forward_hook(self._grab(i, name, parts)))
+        self.handles = hook_qkv(model, self._keep)
 
-    def _grab(self, i, name, parts):
-        def hook(module, args, out):
-            if not self.on:
-                return
-            parts[name] = out[0]
-            if name == "v":
-                self.rows[i].append(torch.cat([parts["q"], parts["k"], parts["v"]], dim=-1).to(torch.float16).cpu())
-        return hook
+    def _keep(self, i: int, qkv: torch.Tensor) -> None:
+        if self.on:
+            self.rows[i].append(qkv.to(torch.float16).cpu())
 
     def features(self) -> torch.Tensor:
         return torch.stack([torch.cat(r, dim=0) for r in self.rows])
