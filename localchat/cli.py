@@ -49,10 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question", help="the question")
     ask.add_argument("--file", "-f", action="append", default=[], metavar="F", help="a document (repeatable)")
     ask.add_argument("--stats", action="store_true", help="print speed and KV-cache figures to stderr at the end")
+    ask.add_argument("--session", "-s", metavar="NAME",
+                     help="continue (or start) the saved conversation NAME; its compressed cache is reused")
     _model_flags(ask, sub=True)
 
     chat = sub.add_parser("chat", help="a plain line-by-line chat in this terminal (the default command)")
     _model_flags(chat, sub=True)
+
+    sessions = sub.add_parser("sessions", help="list the saved conversations (or delete one)")
+    sessions.add_argument("--delete", metavar="NAME", help="delete the conversation NAME and its saved cache")
 
     sub.add_parser("fetch-model", help="fetch and convert the embedded default model now (once)")
     sub.add_parser("policies", help="list the KV-cache policies")
@@ -125,8 +130,10 @@ def run_ask(args) -> int:
     # Read every document before loading the model, so a bad path fails fast.
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
     engine = load_engine(args)
-    messages = [{"role": "user", "content": user_turn(args.question, docs)}]
     cancel = threading.Event()
+    if args.session:
+        return _ask_in_session(args, engine, docs, cancel)
+    messages = [{"role": "user", "content": user_turn(args.question, docs)}]
     final = stream_to(engine.chat(messages, _settings(args), cancel), cancel, sys.stdout)
     if final is None:
         print("\ninterrupted", file=sys.stderr)
@@ -142,6 +149,65 @@ def run_ask(args) -> int:
     return EXIT_OK
 
 
+def _ask_in_session(args, engine, docs, cancel) -> int:
+    from localchat.engine.events import Error, Notice
+    from localchat.render import stream_to
+    from localchat.session import Session
+    from localchat.store import Store
+
+    store = Store()
+    if store.exists(args.session):
+        session, notices = store.load(args.session, engine)
+    else:
+        session, notices = Session(engine, name=args.session), []
+    for note in notices:
+        print(f"localchat: {note}", file=sys.stderr)
+
+    def events():
+        for ev in session.send(args.question, docs, _settings(args), cancel):
+            if isinstance(ev, Notice):
+                print(f"localchat: {ev.message}", file=sys.stderr)
+            else:
+                yield ev
+
+    final = stream_to(events(), cancel, sys.stdout)
+    if final is None:
+        print("\ninterrupted (the conversation is unchanged)", file=sys.stderr)
+        return 130
+    if isinstance(final, Error):
+        raise UserError(final.message)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    store.save(session)
+    if args.stats:
+        print(stats_line(engine, final), file=sys.stderr)
+    return EXIT_OK
+
+
+def run_sessions(args) -> int:
+    from localchat.store import Store
+
+    store = Store()
+    if args.delete:
+        store.delete(args.delete)
+        print(f"deleted {args.delete}")
+        return EXIT_OK
+    chats = store.list()
+    if not chats:
+        print("no saved conversations yet (`localchat ask --session NAME ...` or the chat window saves them)")
+        return EXIT_OK
+    import time
+
+    rows = [("name", "title", "model", "policy", "turns", "tokens", "kept", "last used")]
+    for c in chats:
+        rows.append((c.name, c.title[:40], c.model, c.policy, str(c.turns), f"{c.tokens:,}",
+                     f"{c.kept_bytes / 2**20:,.1f} MiB", time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -151,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_ask(args)
         if args.command == "policies":
             return run_policies()
+        if args.command == "sessions":
+            return run_sessions(args)
         if args.command == "bench":
             from localchat.bench import cli as bench_cli
 

@@ -119,6 +119,23 @@ class KVLayer(DynamicLayer):
         self.n = 0
         super().reset()
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The units held: keys, values `[1, H, n, d]`, scores and positions `[H, n]` (views)."""
+        if self._k is None:
+            return {}
+        return {"k": self.keys, "v": self.values, "s": self.scores, "p": self.positions}
+
+    def fill(self, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+        """Hold exactly these units (copies), with room to grow as `reserve` asks."""
+        self.reset()
+        self.lazy_initialization(k, v)
+        self._ensure(k.shape[-2], k, v)
+        n = k.shape[-2]
+        self._k[:, :, :n], self._v[:, :, :n] = k, v
+        self._s[:, :n], self._p[:, :n] = s, p
+        self.n = n
+        self._publish()
+
     def nbytes(self) -> int:
         """Bytes of the K/V units held (not the spare room, not the scores)."""
         if self._k is None:
@@ -152,3 +169,22 @@ class KVCache(Cache):
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every layer's units as `{"k.0": ..., "v.0": ..., "s.0": ..., "p.0": ..., "k.1": ...}` (views)."""
+        return {f"{name}.{i}": t for i, layer in enumerate(self.layers) for name, t in layer.tensors().items()}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold the units of `tensors()` output (copied in); layers missing from it stay empty."""
+        for i, layer in enumerate(self.layers):
+            if f"k.{i}" in tensors:
+                layer.fill(*(tensors[f"{name}.{i}"] for name in "kvsp"))
+            else:
+                layer.reset()
+
+    def clone(self) -> "KVCache":
+        """An independent copy (a snapshot; the cache is bounded, so this is cheap for evicting policies)."""
+        copy = KVCache(len(self.layers), reserve=self.layers[0].reserve, positions=self.positions,
+                       inv_freq=self.inv_freq)
+        copy.load_tensors(self.tensors())
+        return copy

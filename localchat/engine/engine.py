@@ -18,7 +18,7 @@ from localchat.engine.cards import ModelCard
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Token
 from localchat.engine.policies import Policy, make_policy
-from localchat.engine.prefill import Cancelled, evict_while_decoding, forward, prefill
+from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
 from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings, pick_token
 from localchat.errors import UserError
@@ -96,22 +96,47 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], settings: GenerationSettings | None = None,
                  cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Answer `prompt_ids` on a fresh cache."""
+        yield from self.continue_on(None, prompt_ids, 0, settings, cancel)
+
+    def continue_on(self, cache: KVCache | None, prompt_ids: list[int], first_pos: int,
+                    settings: GenerationSettings | None = None, cancel: threading.Event | None = None,
+                    *, keep_last: bool = False) -> Iterator[Event]:
+        """Prefill `prompt_ids` (true positions from `first_pos`) on top of `cache`, then answer.
+
+        A cache that already holds units (an earlier turn) is first compressed to the budget. With
+        `keep_last`, the answer's last token is fed too, so the cache holds the whole answer (multi-turn).
+        `cache=None` starts a fresh one. The cache is changed in place; Done reports what it holds.
+        """
         settings = settings or GenerationSettings()
         try:
             settings.validate()
-            self._check_window(len(prompt_ids))
-            yield from self._generate(prompt_ids, settings, cancel)
+            if not prompt_ids:
+                raise UserError("nothing to read: the prompt is empty")
+            self._check_window(first_pos + len(prompt_ids))
+            if cache is None:
+                cache = self.new_cache(len(prompt_ids), settings.max_new_tokens)
+            yield from self._generate(cache, prompt_ids, first_pos, settings, cancel, keep_last)
         except UserError as exc:
             yield Error(str(exc), exc)
         except torch.OutOfMemoryError as exc:
             yield Error("out of memory while generating; try a smaller --chunk or a shorter document", exc)
+
+    def new_cache(self, prompt_tokens: int = 0, max_new: int = 0) -> KVCache:
+        """An empty cache for the current policy, its first allocation sized for the expected peak."""
+        p = self.policy
+        grow = min(max_new, 2 * p.decode_window) if p.decode_window else max_new
+        reserve = p.budget + self.chunk + p.local + grow if p.evicts else prompt_tokens + max_new
+        inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
+        return KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
+                       inv_freq=inv_freq)
 
     @property
     def compressing(self) -> bool:
         """True when positions stay bounded by the budget (compact positions with an evicting policy)."""
         return self.policy.evicts and self.positions == "compact"
 
-    def _check_window(self, n_prompt: int) -> None:
+    def _check_window(self, n_total: int) -> None:
         if not self.window:
             return
         if self.compressing:
@@ -121,24 +146,19 @@ class Engine:
                     f"budget + chunk (or local tail + 2 x decode window) = {peak} positions do not fit {self.name}'s window of {self.window}; "
                     f"lower --budget or --chunk"
                 )
-        elif n_prompt >= self.window:
+        elif n_total >= self.window:
             raise UserError(
-                f"the prompt is {n_prompt} tokens but {self.name} reads at most {self.window} with "
+                f"the conversation is {n_total} tokens but {self.name} reads at most {self.window} with "
                 f"{self.policy.name} attention at {self.positions} positions; use --policy locret "
                 f"--positions compact, or shorten the document"
             )
 
     @torch.inference_mode()
-    def _generate(self, prompt_ids: list[int], settings: GenerationSettings,
-                  cancel: threading.Event | None) -> Iterator[Event]:
+    def _generate(self, cache: KVCache, prompt_ids: list[int], first_pos: int, settings: GenerationSettings,
+                  cancel: threading.Event | None, keep_last: bool) -> Iterator[Event]:
         n = len(prompt_ids)
         max_new = settings.max_new_tokens
         p = self.policy
-        grow = min(max_new, 2 * p.decode_window) if p.decode_window else max_new
-        reserve = p.budget + self.chunk + p.local + grow if p.evicts else n + max_new
-        inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
-        cache = KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
-                        inv_freq=inv_freq)
         ids = torch.tensor([prompt_ids], device=self.device)
         decoder = StreamDecoder(self.tokenizer)
         gen = torch.Generator(device="cpu").manual_seed(settings.seed)
@@ -148,12 +168,15 @@ class Engine:
         reason = "length"
         p.attach(self.model, cache)
         try:
-            logits = yield from prefill(self.model, cache, ids, chunk=self.chunk, policy=p, cancel=cancel)
+            if p.evicts and cache.get_seq_length() > p.budget:  # an earlier turn: compress the history
+                evict(cache, p, last_chunk=True)
+            logits = yield from prefill(self.model, cache, ids, chunk=self.chunk, policy=p, first_pos=first_pos,
+                                        cancel=cancel)
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            pos = n
+            pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
-                max_new = min(max_new, self.window - cache.next_position(n))
+                max_new = min(max_new, self.window - cache.next_position(pos))
             while new < max_new:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled
@@ -165,7 +188,7 @@ class Engine:
                 if new == 1:
                     ttft = time.perf_counter() - t0
                 yield Token(decoder.push(tok), tok)
-                if new == max_new:
+                if new == max_new and not keep_last:
                     break
                 step = torch.tensor([[tok]], device=self.device)
                 logits = forward(self.model, cache, step, pos)
@@ -181,8 +204,9 @@ class Engine:
                 decode_s = time.perf_counter() - t1
         finally:
             p.detach()
+        held = cache.get_seq_length()
         yield Done(
             text=decoder.text(), prompt_tokens=n, new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
-            ttft_s=ttft, stop_reason=reason, kv_tokens=cache.get_seq_length(), kv_bytes=cache.nbytes(),
-            kv_full_bytes=cache.nbytes() // max(cache.get_seq_length(), 1) * (n + max(new - 1, 0)),
+            ttft_s=ttft, stop_reason=reason, kv_tokens=held, kv_bytes=cache.nbytes(),
+            kv_full_bytes=cache.nbytes() // max(held, 1) * (first_pos + n + max(new - 1, 0)),
         )

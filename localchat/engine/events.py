@@ -56,4 +56,11 @@ class Error:
     exc: BaseException | None = None  # kept for --debug
 
 
-Event = Progress | Token | Done | Error
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know that is not an error (e.g. "re-reading the conversation")."""
+
+    message: str
+
+
+Event = Progress | Token | Done | Error | Notice

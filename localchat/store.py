@@ -1,0 +1,258 @@
+"""Conversations on disk: SQLite in the user data dir, the compressed cache next to it (safetensors).
+
+Every save is atomic. The cache file is written under a new name (temporary file, fsync, rename), then
+one SQLite transaction points the chat at it, then the old file is removed: a process killed at any
+moment leaves the previous state (or the new one) readable, never a mix.
+
+A saved cache is reused only when its fingerprint (model, heads, policy settings, chunk, positions,
+library versions) and the hash of the text it holds match the conversation; otherwise the next turn
+re-reads the conversation, with a notice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from localchat import __version__
+from localchat.errors import UserError
+from localchat.paths import data_dir
+from localchat.session import Attachment, Session
+
+SCHEMA = 1
+MIGRATIONS = {  # version -> SQL that brings version - 1 to it
+    1: """
+    CREATE TABLE chats (
+        id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL, title TEXT NOT NULL, model TEXT NOT NULL,
+        policy TEXT NOT NULL, system TEXT, created REAL NOT NULL, updated REAL NOT NULL,
+        fed INTEGER NOT NULL DEFAULT 0, kept_units INTEGER NOT NULL DEFAULT 0,
+        kept_bytes INTEGER NOT NULL DEFAULT 0, cache_file TEXT);
+    CREATE TABLE messages (
+        chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE, idx INTEGER NOT NULL,
+        role TEXT NOT NULL, content TEXT NOT NULL, question TEXT, PRIMARY KEY (chat_id, idx));
+    CREATE TABLE attachments (
+        chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE, turn INTEGER NOT NULL,
+        name TEXT NOT NULL, path TEXT NOT NULL, sha256 TEXT NOT NULL, tokens INTEGER NOT NULL,
+        tok_start INTEGER NOT NULL, tok_end INTEGER NOT NULL, char_offset INTEGER NOT NULL);
+    """,
+}
+MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document) is not saved
+
+
+@dataclass(frozen=True)
+class ChatInfo:
+    name: str
+    title: str
+    model: str
+    policy: str
+    turns: int
+    tokens: int  # tokens the conversation has put through the model
+    kept_units: int  # cache units per KV head per layer
+    kept_bytes: int
+    updated: float
+
+
+def fingerprint(engine) -> str:
+    """What a saved cache depends on besides the text: model, policy (incl. heads), versions."""
+    import transformers
+
+    p = engine.policy
+    settings = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "heads"}
+    facts = {
+        "model": engine.name, "config": engine.model.config.to_json_string(use_diff=False),
+        "dtype": str(next(engine.model.parameters()).dtype), "policy": p.name, "settings": settings,
+        "heads": _heads_hash(getattr(p, "heads", None)), "chunk": engine.chunk, "positions": engine.positions,
+        "torch": torch.__version__, "transformers": transformers.__version__, "localchat": __version__,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _heads_hash(heads) -> str | None:
+    """sha256 of the retaining heads' weights (computed once per heads object)."""
+    if heads is None:
+        return None
+    if getattr(heads, "weights_sha256", None) is None:
+        h = hashlib.sha256()
+        for name, t in sorted(heads.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().float().cpu().numpy().tobytes())
+        heads.weights_sha256 = h.hexdigest()
+    return heads.weights_sha256
+
+
+def text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class Store:
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path else data_dir() / "chats.sqlite3"
+        self.cache_dir = self.path.parent / "caches"
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA foreign_keys = ON")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA:
+            raise UserError(f"{self.path} was written by a newer localchat (schema {version}, this one reads "
+                            f"{SCHEMA}); upgrade localchat or point LOCALCHAT_DATA_DIR elsewhere")
+        for v in range(version + 1, SCHEMA + 1):  # each step in one transaction
+            self.db.executescript(f"BEGIN;\n{MIGRATIONS[v]}\nPRAGMA user_version = {v};\nCOMMIT;")
+
+    def close(self) -> None:
+        self.db.close()
+
+    # --- listing -------------------------------------------------------------------------------
+
+    def list(self) -> list[ChatInfo]:
+        rows = self.db.execute(
+            "SELECT name, title, model, policy, (SELECT COUNT(*) FROM messages m WHERE m.chat_id = c.id "
+            "AND m.role = 'user'), fed, kept_units, kept_bytes, updated FROM chats c ORDER BY updated DESC"
+        ).fetchall()
+        return [ChatInfo(*row) for row in rows]
+
+    def exists(self, name: str) -> bool:
+        return self.db.execute("SELECT 1 FROM chats WHERE name = ?", (name,)).fetchone() is not None
+
+    def delete(self, name: str) -> None:
+        row = self.db.execute("SELECT id, cache_file FROM chats WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise UserError(f"no chat named {name!r}; `localchat sessions` lists them")
+        self.db.execute("DELETE FROM chats WHERE id = ?", (row[0],))
+        self._remove(row[1])
+
+    # --- save / load ---------------------------------------------------------------------------
+
+    def save(self, session: Session, name: str | None = None) -> str:
+        """Save messages, settings and (when small enough) the compressed cache; returns the name."""
+        name = name or session.name or self._new_name()
+        session.name = name
+        cache_file = self._write_cache(session)
+        now = time.time()
+        e = session.engine
+        old = self.db.execute("SELECT id, cache_file, created FROM chats WHERE name = ?", (name,)).fetchone()
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            if old:
+                self.db.execute("DELETE FROM chats WHERE id = ?", (old[0],))
+            cur = self.db.execute(
+                "INSERT INTO chats (name, title, model, policy, system, created, updated, fed, kept_units, "
+                "kept_bytes, cache_file) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, session.title(), e.name, e.policy.name, session.system, old[2] if old else now, now,
+                 session.fed, session.kv_units, session.kv_bytes, cache_file))
+            chat_id = cur.lastrowid
+            questions = iter(session.questions)
+            self.db.executemany(
+                "INSERT INTO messages VALUES (?, ?, ?, ?, ?)",
+                [(chat_id, i, m["role"], m["content"], next(questions, None) if m["role"] == "user" else None)
+                 for i, m in enumerate(session.messages)])
+            self.db.executemany(
+                "INSERT INTO attachments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(chat_id, a.turn, a.name, a.path, a.sha256, a.tokens, a.start, a.end, a.offset)
+                 for a in session.attachments])
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            self._remove(cache_file)
+            raise
+        if old and old[1] != cache_file:
+            self._remove(old[1])
+        return name
+
+    def load(self, name: str, engine) -> tuple[Session, list[str]]:
+        """The saved chat over `engine`, and notices (e.g. why its cache will be re-read)."""
+        row = self.db.execute("SELECT id, system, cache_file, fed FROM chats WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise UserError(f"no chat named {name!r}; `localchat sessions` lists them")
+        chat_id, system, cache_file, fed = row
+        session = Session(engine, system=system, name=name)
+        messages = self.db.execute("SELECT role, content, question FROM messages WHERE chat_id = ? ORDER BY idx",
+                                   (chat_id,)).fetchall()
+        attachments = self.db.execute(
+            "SELECT name, path, sha256, tokens, turn, tok_start, tok_end, char_offset FROM attachments WHERE chat_id = ? "
+            "ORDER BY rowid", (chat_id,)).fetchall()
+        state = session._state
+        state.messages = [{"role": r, "content": c} for r, c, _ in messages]
+        state.attachments = [Attachment(*a) for a in attachments]
+        session.questions = [q if q is not None else c for r, c, q in messages if r == "user"]
+        if not state.messages:
+            return session, []
+        notices = []
+        problem = self._read_cache(session, cache_file, fed)
+        if problem:
+            session.mark_stale(problem)
+            notices.append(f"the saved cache of {name!r} is not reused ({problem}); the next question re-reads "
+                           f"the conversation once")
+        return session, notices
+
+    # --- the cache file ------------------------------------------------------------------------
+
+    def _write_cache(self, session: Session) -> str | None:
+        cache = session.cache
+        if cache is None or not session.messages or session._stale or session.kv_bytes > MAX_CACHE_BYTES:
+            return None
+        tensors = {k: v.contiguous() for k, v in cache.tensors().items()}
+        meta = {"fingerprint": fingerprint(session.engine), "text": text_hash(session.cached_text),
+                "fed": str(session.fed), "positions": cache.positions, "layers": str(len(cache.layers)),
+                "format": "localchat-cache-1"}
+        stem = hashlib.sha256(session.name.encode()).hexdigest()[:12]
+        final = self.cache_dir / f"{stem}-{meta['text'][:12]}-{time.time_ns()}.safetensors"
+        tmp = final.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        return final.name
+
+    def _read_cache(self, session: Session, cache_file: str | None, fed: int) -> str | None:
+        """Load the saved cache into `session`; None when it was reused, else why not."""
+        engine = session.engine
+        if not cache_file:
+            return "no cache was saved with it"
+        text = engine.render(session._with_system(session.messages[:-1])) + session.messages[-1]["content"]
+        try:
+            with safe_open(str(self.cache_dir / cache_file), framework="pt", device=str(engine.device)) as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != "localchat-cache-1":
+                    return "the file is not a localchat cache"
+                if meta.get("fingerprint") != fingerprint(engine):
+                    return "it was made with another model, policy, heads or library version"
+                if meta.get("text") != text_hash(text) or int(meta.get("fed", -1)) != fed:
+                    return "it does not match the saved messages"
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except FileNotFoundError:
+            return "its file is missing"
+        except Exception as exc:  # noqa: BLE001 - a damaged file: say so, re-read
+            return f"the file is damaged: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
+        cache = engine.new_cache()
+        if int(meta.get("layers", -1)) != len(cache.layers) or meta.get("positions") != cache.positions:
+            return "its shape does not fit this model"
+        try:
+            cache.load_tensors(tensors)
+        except (KeyError, RuntimeError) as exc:
+            return f"the file is damaged: {exc}"
+        state = session._state
+        state.cache, state.text, state.fed = cache, text, fed
+        return None
+
+    def _remove(self, cache_file: str | None) -> None:
+        if cache_file:
+            (self.cache_dir / cache_file).unlink(missing_ok=True)
+
+    def _new_name(self) -> str:
+        n = 1 + self.db.execute("SELECT COUNT(*) FROM chats").fetchone()[0]
+        while self.exists(f"chat-{n}"):
+            n += 1
+        return f"chat-{n}"

@@ -1,0 +1,187 @@
+"""Saved conversations: SQLite + the compressed cache in safetensors, atomic saves, fingerprints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from localchat.cli import main
+from localchat.engine.engine import Engine
+from localchat.engine.events import Done, Notice, Token
+from localchat.engine.heads import RetainingHeads
+from localchat.engine.policies import make_policy
+from localchat.engine.sampling import GenerationSettings
+from localchat.errors import UserError
+from localchat.session import Session
+from localchat.store import Store
+from tiny import save_tiny, tiny_llama
+
+SETTINGS = GenerationSettings(max_new_tokens=10, temperature=1.5, seed=5, ignore_eos=True)  # sampled: equal answers mean equal logits
+HEADS = {}
+
+
+@pytest.fixture()
+def engine(tiny_tok):
+    e = Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", chunk=32)
+    HEADS.setdefault("h", RetainingHeads.random(e.model, seed=3))
+    e.set_policy(make_policy("locret", budget=40, local=8, stabilizers=8, heads=HEADS["h"]))
+    return e
+
+
+def _answer(events):
+    evs = list(events)
+    return evs, "".join(e.text for e in evs if isinstance(e, Token)), evs[-1]
+
+
+def _chat(engine, tmp_path) -> Session:
+    doc = tmp_path / "notes.txt"
+    doc.write_text("The pass key is 81723. " + "Grass is green and the sky is blue. " * 40)
+    from localchat.documents import load_document
+
+    s = Session(engine, system="Answer briefly.")
+    _answer(s.send("What is the pass key?", [load_document(doc)], SETTINGS))
+    _answer(s.send("Thanks. Anything else?", (), SETTINGS))
+    return s
+
+
+def test_save_and_reopen_continues_without_rereading(engine, tmp_path):
+    s = _chat(engine, tmp_path)
+    store = Store(tmp_path / "chats.sqlite3")
+    name = store.save(s, "notes")
+    reopened, notices = Store(tmp_path / "chats.sqlite3").load(name, engine)
+    assert notices == []
+    assert reopened.messages == s.messages and reopened.questions == s.questions
+    assert reopened.attachments == s.attachments and reopened.system == "Answer briefly."
+    assert all(torch.equal(a, b) for a, b in zip(reopened.cache.tensors().values(), s.cache.tensors().values()))
+    evs_a, want, done_a = _answer(s.send("Last question?", (), SETTINGS))
+    evs_b, got, done_b = _answer(reopened.send("Last question?", (), SETTINGS))
+    assert got == want and done_b.prompt_tokens == done_a.prompt_tokens < 60
+    assert not any(isinstance(e, Notice) for e in evs_b)
+    info = store.list()[0]
+    assert (info.name, info.turns, info.model, info.policy) == ("notes", 2, "tiny", "locret")
+    assert info.kept_bytes > 0 and info.tokens == s.fed - done_a.prompt_tokens - done_a.new_tokens
+
+
+def test_a_saved_cache_is_not_reused_with_other_settings(engine, tmp_path):
+    store = Store(tmp_path / "c.sqlite3")
+    store.save(_chat(engine, tmp_path), "x")
+    engine.set_policy(make_policy("locret", budget=48, local=8, stabilizers=8, heads=HEADS["h"]))
+    reopened, notices = store.load("x", engine)
+    assert len(notices) == 1 and "another model, policy" in notices[0]
+    evs, _, done = _answer(reopened.send("Next?", (), SETTINGS))
+    assert isinstance(evs[0], Notice) and "re-reading" in evs[0].message
+    assert isinstance(done, Done) and done.prompt_tokens > 300  # the whole conversation, once
+
+
+def test_a_corrupt_cache_file_means_a_notice_and_a_reread(engine, tmp_path):
+    store = Store(tmp_path / "c.sqlite3")
+    store.save(_chat(engine, tmp_path), "x")
+    (cache_file,) = (tmp_path / "caches").glob("*.safetensors")
+    cache_file.write_bytes(cache_file.read_bytes()[:200])
+    reopened, notices = Store(tmp_path / "c.sqlite3").load("x", engine)
+    assert "damaged" in notices[0]
+    _, _, done = _answer(reopened.send("Next?", (), SETTINGS))
+    assert isinstance(done, Done) and reopened.turns == 3
+
+
+def test_a_save_that_dies_before_the_rename_keeps_the_last_good_state(engine, tmp_path, monkeypatch):
+    store = Store(tmp_path / "c.sqlite3")
+    s = _chat(engine, tmp_path)
+    store.save(s, "x")
+    _answer(s.send("One more?", (), SETTINGS))
+
+    def killed(*args):
+        raise KeyboardInterrupt  # stands for the process dying between the write and the rename
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        store.save(s, "x")
+    monkeypatch.undo()
+    reopened, notices = Store(tmp_path / "c.sqlite3").load("x", engine)
+    assert notices == [] and reopened.turns == 2 and reopened.kv_units > 0
+
+
+KILLER = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from tiny import tiny_llama, tiny_tokenizer
+    from localchat.engine.engine import Engine
+    from localchat.engine.policies import make_policy
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.session import Session
+    from localchat.store import Store
+    tok = tiny_tokenizer()
+    engine = Engine(tiny_llama(len(tok)), tok, name="tiny", chunk=32)
+    engine.set_policy(make_policy("full"))
+    s = Session(engine)
+    store = Store({db!r})
+    for i in range(10000):
+        for _ in s.send("Turn %d: " % i + "word " * 200, (), GenerationSettings(max_new_tokens=4, ignore_eos=True)):
+            pass
+        store.save(s, "loop")
+        print(i, flush=True)
+""")
+
+
+def test_killing_the_process_while_it_saves_never_corrupts_the_chat(tmp_path, tiny_tok):
+    db = tmp_path / "k.sqlite3"
+    script = KILLER.format(tests=str(Path(__file__).parent), db=str(db))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    saved = -1
+    while saved < 3:  # let it save a few times, then kill it mid-flight
+        saved = int(proc.stdout.readline().split()[0])
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    engine = Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", chunk=32)
+    engine.set_policy(make_policy("full"))
+    reopened, notices = Store(db).load("loop", engine)
+    assert reopened.turns >= saved + 1
+    assert notices == []  # the cache that the database points at is whole and matches
+    assert reopened.kv_units == reopened.fed
+    leftovers = list((tmp_path / "caches").glob("*.safetensors"))
+    assert len(leftovers) <= 2  # at most the current file and one being written
+
+
+def test_schema_version_and_listing(tmp_path, engine):
+    db = tmp_path / "v.sqlite3"
+    store = Store(db)
+    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == 1
+    assert store.list() == []
+    store.save(_chat(engine, tmp_path))
+    assert [c.name for c in store.list()] == ["chat-1"]
+    store.delete("chat-1")
+    assert store.list() == [] and not list((tmp_path / "caches").glob("*.safetensors"))
+    with pytest.raises(UserError, match="no chat named"):
+        store.load("chat-1", engine)
+    store.close()
+    sqlite3.connect(db).execute("PRAGMA user_version = 7").connection.commit()
+    with pytest.raises(UserError, match="newer localchat"):
+        Store(db)
+
+
+def test_cli_session_continues_across_runs(tmp_path_factory, tmp_path, capsys):
+    model = str(save_tiny(tmp_path_factory.mktemp("tiny-session")))
+    doc = tmp_path / "d.txt"
+    doc.write_text("The code word is pelican. " + "Filler text goes here. " * 60)
+    flags = ["--model", model, "--max-new-tokens", "6", "--policy", "full"]
+    assert main([*flags, "ask", "--session", "work", "--file", str(doc), "--stats", "What is the code word?"]) == 0
+    first = capsys.readouterr().err
+    assert main([*flags, "ask", "--session", "work", "--stats", "Say it again."]) == 0
+    second = capsys.readouterr().err
+    read = [int(line.split("read ")[1].split(" tokens")[0].replace(",", "")) for line in (first, second)]
+    assert read[1] < 60 < 600 < read[0]  # the follow-up read only its own tokens
+    assert main(["sessions"]) == 0
+    listing = capsys.readouterr().out
+    assert "work" in listing and "What is the code word?" in listing
+    assert main(["sessions", "--delete", "work"]) == 0 and main(["sessions", "--delete", "work"]) == 2
