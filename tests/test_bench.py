@@ -77,8 +77,12 @@ def test_multiturn_times_every_follow_up(tiny_dir, tmp_path):
     run(config, say=lambda line: None)
     (row,) = _rows(tmp_path)
     turns = row["followups"]
-    assert [t["turn"] for t in turns] == [1, 2, 3, 4] and turns[-1]["prompt_tokens"] == row["prompt_tokens"]
+    assert [t["turn"] for t in turns] == list(range(1, 12)) and turns[-1]["prompt_tokens"] == row["prompt_tokens"]
     assert all(t["total_s"] >= t["prefill_s"] > 0 for t in turns)
+    # one session: after the document, each turn reads only its own few tokens; the cache stays bounded
+    assert all(t["prompt_tokens"] < turns[0]["prompt_tokens"] / 2 for t in turns[1:])
+    assert row["conversation_tokens"] > sum(t["prompt_tokens"] for t in turns)
+    assert max(t["kv_tokens"] for t in turns) <= 48 + 96 + 8
 
 
 def test_a_cell_runs_in_its_own_process(tiny_dir, tmp_path):

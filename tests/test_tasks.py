@@ -96,7 +96,7 @@ def test_common_words_are_the_most_common(tiny_tok):
 def test_multiturn_conversation(tiny_tok):
     s = make_sample("multiturn", tiny_tok, 1500, seed=4, depth=0.5)
     roles = [m["role"] for m in s.messages]
-    assert roles == ["user", "assistant"] * 4 + ["user"]
+    assert roles == ["user", "assistant"] * 10 + ["user"]  # the document, 9 unrelated turns, the question
     assert s.document in s.messages[0]["content"] and s.answer not in "".join(m["content"] for m in s.messages[1:])
     assert s.messages[-1]["content"] == s.question and prompt_messages(s) == [dict(m) for m in s.messages]
     assert s == make_sample("multiturn", tiny_tok, 1500, seed=4, depth=0.5)

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from localchat.bench import machine
-from localchat.bench.tasks import Sample, depth_for, make_sample, prompt_messages, score
+from localchat.bench.tasks import OPENING, Sample, as_document, depth_for, make_sample, prompt_messages, score
 from localchat.engine.events import Done, Error
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 
-FOLLOWUP_TOKENS = 8  # answer length of the unrelated multiturn turns (their answers are fixed anyway)
+FOLLOWUP_TOKENS = 8  # answer length of the earlier multiturn turns (the model's own answers are kept)
 KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
               "max_new_tokens")
 
@@ -147,26 +147,48 @@ def _complete(engine, messages: list[dict], max_new: int) -> Done | str:
 
 def _timing(turn: int, done: Done) -> dict:
     return {"turn": turn, "prompt_tokens": done.prompt_tokens, "prefill_s": round(done.prefill_s, 4),
-            "ttft_s": round(done.ttft_s, 4), "total_s": round(done.prefill_s + done.decode_s, 4)}
+            "ttft_s": round(done.ttft_s, 4), "total_s": round(done.prefill_s + done.decode_s, 4),
+            "kv_tokens": done.kv_tokens}
+
+
+def _conversation(engine, sample: Sample, max_new: int) -> tuple[Done | str, list[dict], int]:
+    """multiturn the way the app runs it: one Session, each turn reads only its new tokens and the
+    model's own (short) answers stay in the compressed cache. Returns the last Done (or the error),
+    every turn's timing and the tokens the conversation put through the model."""
+    from localchat.session import Session
+
+    session = Session(engine)
+    users = [m["content"] for m in sample.messages if m["role"] == "user"]
+    timings: list[dict] = []
+    done: Done | str = "no answer"
+    for turn, content in enumerate(users, start=1):
+        last = turn == len(users)
+        question, docs = (OPENING, [as_document(sample.document)]) if turn == 1 else (content, [])
+        settings = GenerationSettings(max_new_tokens=max_new if last else FOLLOWUP_TOKENS)
+        done = "no answer"
+        for event in session.send(question, docs, settings):
+            if isinstance(event, Done):
+                done = event
+            elif isinstance(event, Error):
+                done = event.message
+        if isinstance(done, str):
+            return done, timings, session.fed
+        timings.append(_timing(turn, done))
+    return done, timings, session.fed
 
 
 def run_example(engine, sample: Sample, max_new: int) -> dict:
-    """Answer one sample; for multiturn, each follow-up turn is run the way the app runs it (the whole
-    conversation so far re-read) and timed."""
+    """Answer one sample; multiturn runs as a conversation in one Session, every turn timed."""
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    messages = prompt_messages(sample)
     followups: list[dict] = []
-    for end in range(2, len(messages) - 1, 2) if sample.task == "multiturn" else ():
-        done = _complete(engine, messages[: end + 1], FOLLOWUP_TOKENS)
-        if isinstance(done, str):
-            return _failed(done)
-        followups.append(_timing(end // 2, done))
-    done = _complete(engine, messages, max_new)
+    conversation = None
+    if sample.task == "multiturn":
+        done, followups, conversation = _conversation(engine, sample, max_new)
+    else:
+        done = _complete(engine, prompt_messages(sample), max_new)
     if isinstance(done, str):
         return _failed(done)
-    if sample.task == "multiturn":
-        followups.append(_timing(len(messages) // 2, done))
     value = float(score(sample, done.text))
     return {
         "output": done.text, "score": value, "correct": value >= 1.0, "error": None,
@@ -175,6 +197,7 @@ def run_example(engine, sample: Sample, max_new: int) -> dict:
         "prefill_tps": round(done.prefill_tps, 2), "decode_tps": round(done.decode_tps, 2),
         "kv_tokens": done.kv_tokens, "kv_bytes": done.kv_bytes, "kv_full_bytes": done.kv_full_bytes,
         "compression": round(done.compression, 3), "followups": followups or None,
+        "conversation_tokens": conversation,
     }
 
 

@@ -348,12 +348,15 @@ def doc_qa(tokenizer, n_tokens: int, seed: int, depth: float | None = None, fact
     return _sample("doc_qa", tokenizer, document, question, [values[0]], offsets, depth)
 
 
-def multiturn(tokenizer, n_tokens: int, seed: int, depth: float | None = None, turns: int = 3) -> Sample:
-    """The niah_single needle in the first turn's document, `turns` unrelated turns, then the question."""
+OPENING = "I will ask you about this document later. For now, reply with OK."
+
+
+def multiturn(tokenizer, n_tokens: int, seed: int, depth: float | None = None, turns: int = 9) -> Sample:
+    """The niah_single needle in the first turn's document, `turns` unrelated turns, then the question
+    (default: the question is the 11th user turn, after 10 turns of history)."""
     key, value, document, offsets, depth = _single(tokenizer, n_tokens, seed, depth)
     rng = random.Random(seed + 1)
-    opening = "I will ask you about this document later. For now, reply with OK."
-    messages = [{"role": "user", "content": user_message(opening, document)},
+    messages = [{"role": "user", "content": user_message(OPENING, document)},
                 {"role": "assistant", "content": "OK. I have read the document."}]
     for q, a in rng.sample(CHAT_TURNS, turns):
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
@@ -373,15 +376,20 @@ def _sample(task: str, tokenizer, document: str, question: str, answers: list[st
 
 # --- prompts ---------------------------------------------------------------------------------------
 
-def user_message(question: str, document: str) -> str:
-    """The user turn the app builds for a question about one attached document."""
+def as_document(document: str):
+    """The generated text as the Document the app would have read from a file."""
     from localchat.documents import Document
-    from localchat.render import user_turn
 
     raw = document.encode("utf-8")
-    doc = Document(path=Path(DOC_NAME), name=DOC_NAME, kind="text", text=document,
-                   sha256=hashlib.sha256(raw).hexdigest(), n_bytes=len(raw))
-    return user_turn(question, [doc])
+    return Document(path=Path(DOC_NAME), name=DOC_NAME, kind="text", text=document,
+                    sha256=hashlib.sha256(raw).hexdigest(), n_bytes=len(raw))
+
+
+def user_message(question: str, document: str) -> str:
+    """The user turn the app builds for a question about one attached document."""
+    from localchat.render import user_turn
+
+    return user_turn(question, [as_document(document)])
 
 
 def prompt_messages(sample: Sample) -> list[dict]:
