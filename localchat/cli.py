@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue (or start) the saved conversation NAME; its compressed cache is reused")
     _model_flags(ask, sub=True)
 
-    chat = sub.add_parser("chat", help="a plain line-by-line chat in this terminal (the default command)")
+    chat = sub.add_parser("chat", help="a plain line-by-line chat in this terminal (no subcommand opens the chat window)")
     _model_flags(chat, sub=True)
 
     sessions = sub.add_parser("sessions", help="list the saved conversations (or delete one)")
@@ -237,9 +237,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print(ensure_default_model())
             return EXIT_OK
-        from localchat.chat import run_chat
+        if args.command == "chat":
+            from localchat.chat import run_chat
 
-        return run_chat(args, _settings(args))
+            return run_chat(args, _settings(args))
+        from localchat.tui.app import run_tui  # no subcommand: the chat window
+
+        return run_tui(args, _settings(args))
     except UserError as exc:
         if args.debug:
             raise

@@ -1,0 +1,1 @@
+"""The Textual chat window (`localchat` with no subcommand)."""

@@ -1,0 +1,1 @@
+"""Screens of the chat window, each with its own .tcss."""

@@ -1,0 +1,449 @@
+"""The chat screen: sidebar, conversation, retained map, progress, chips, input, status line, footer.
+
+Engine work (turns, loading documents and chats, saving) runs in thread workers that post messages
+back; the UI thread only draws. Esc sets the turn's cancel event; the engine stops within one chunk
+or token and the session is as before, so the question goes back into the input.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from textual import on
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, OptionList, Static
+
+from localchat.engine.events import Done, Error, Notice, Progress, Token
+from localchat.tui import commands, keys
+from localchat.tui.events import ChatOpened, ChatSaved, DocumentReady, EngineEvent, EngineLoaded, TurnEnded
+from localchat.tui.handlers import CommandHandlers
+from localchat.tui.widgets.chat_list import ChatList
+from localchat.tui.widgets.chips import Chip, ChipBar, chip_label
+from localchat.tui.widgets.messages import AssistantMessage, Note, UserMessage
+from localchat.tui.widgets.progress import PrefillProgress
+from localchat.tui.widgets.prompt import Prompt
+from localchat.tui.widgets.retained import RetainedMap, map_text
+from localchat.tui.widgets.status import StatusLine, status_text
+
+PROGRESS_EVERY_S = 0.1
+
+
+@dataclass
+class Turn:
+    question: str
+    documents: list  # [(Document, tokens)]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    user: UserMessage | None = None
+    answer: AssistantMessage | None = None
+    last_progress: Progress | None = None
+    done: Done | None = None
+    failed: str | None = None
+
+
+class ChatScreen(CommandHandlers, Screen):
+    CSS_PATH = "chat.tcss"
+    BINDINGS = keys.bindings()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turn: Turn | None = None
+        self.pending: list = []  # [(Document, tokens)] for the next question
+
+    def compose(self):
+        with Horizontal(id="main"):
+            with Vertical(id="sidebar"):
+                yield Static("Chats", id="sidebar-title")
+                yield ChatList(id="chats")
+            with Vertical(id="chat"):
+                yield VerticalScroll(id="conversation")
+                yield RetainedMap(id="retained")
+                yield PrefillProgress(id="progress")
+                yield ChipBar(id="chips")
+                yield Static("", id="hint", markup=False)
+                yield Prompt(placeholder="Ask, paste a file path, or type / for commands",
+                             suggester=commands.SlashSuggester(self.app.policy_names()), id="prompt")
+        yield StatusLine(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#conversation").anchor()
+        for widget in ("#retained", "#progress", "#chips", "#hint"):
+            self.query_one(widget).display = False
+        self.query_one(Prompt).focus()
+        for problem in self.app.key_problems:
+            self.note(problem, error=True)
+        self.refresh_status()
+        self.refresh_chats()
+        if self.app.engine is None and self.app.loader is not None:
+            self.note("loading the model…")
+            self.run_worker(self._load_engine, thread=True, group="engine")
+        elif self.app.engine is not None:
+            self.note(self.welcome())
+
+    # --- small helpers ---------------------------------------------------------------------------
+
+    @property
+    def conversation(self) -> VerticalScroll:
+        return self.query_one("#conversation", VerticalScroll)
+
+    @property
+    def prompt(self) -> Prompt:
+        return self.query_one(Prompt)
+
+    def note(self, text: str, error: bool = False) -> Note:
+        item = Note(("error: " if error else "") + text, error=error)
+        self.conversation.mount(item)
+        return item
+
+    def welcome(self) -> str:
+        engine = self.app.engine
+        return (f"{engine.name} on {engine.device.type}, policy {engine.policy.name}. Paste or drop a file path "
+                f"(or {self.app.key_for('attach')}) to attach a document, type / for commands, "
+                f"{self.app.key_for('help')} for help.")
+
+    def refresh_status(self) -> None:
+        engine = self.app.engine
+        memory = self.app.memory_probe(engine.device) if engine is not None else None
+        self.query_one(StatusLine).update(status_text(engine, self.app.session, memory))
+
+    def refresh_map(self) -> None:
+        view = self.query_one(RetainedMap)
+        if not view.display:
+            return
+        session = self.app.session
+        attachment = session.attachments[-1] if session is not None and session.attachments else None
+        bins = max(8, min(self.conversation.size.width - 4, 200) or 64)
+        shares = session.retained_map(bins) if attachment else None
+        view.update(map_text(shares, attachment and attachment.name, attachment and attachment.tokens))
+
+    def refresh_chats(self) -> None:
+        self.run_worker(self._list_chats, thread=True, group="store")
+
+    def _list_chats(self) -> None:
+        try:
+            with closing(self.app.store()) as store:
+                chats = store.list()
+        except Exception as exc:  # noqa: BLE001 - a broken store must not take the app down
+            self.app.call_from_thread(self.note, f"cannot list saved chats: {exc}", True)
+            return
+        self.app.call_from_thread(self.query_one(ChatList).show, chats, self.app.chat_name)
+
+    async def show_chips(self) -> None:
+        await self.query_one(ChipBar).show([chip_label(d.name, n) for d, n in self.pending])
+
+    # --- engine loading --------------------------------------------------------------------------
+
+    def _load_engine(self) -> None:
+        try:
+            engine = self.app.loader()
+        except Exception as exc:  # noqa: BLE001 - shown in the chat; the app stays up
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self.post_message(EngineLoaded(error=first))
+            return
+        self.post_message(EngineLoaded(engine))
+
+    def on_engine_loaded(self, msg: EngineLoaded) -> None:
+        if msg.error:
+            self.note(f"could not load the model: {msg.error}. Fix --model and restart; "
+                      f"commands still work.", error=True)
+        else:
+            self.app.use_engine(msg.engine)
+            self.note(self.welcome())
+        self.refresh_status()
+
+    # --- input -----------------------------------------------------------------------------------
+
+    @on(Prompt.Changed)
+    def show_hint(self, event: Prompt.Changed) -> None:
+        hint = self.query_one("#hint", Static)
+        value = event.value
+        if value.startswith("/") and " " not in value:
+            found = commands.matches(value[1:])
+            hint.update("   ".join(commands.usage(n) for n in found) if found else "no such command; /help lists them")
+            hint.display = True
+        else:
+            hint.display = False
+
+    @on(Prompt.Submitted)
+    async def submit(self, event: Prompt.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        from localchat.documents import parse_path_input
+
+        path = parse_path_input(text)
+        if path is not None:
+            self.prompt.value = ""
+            self.attach(path)
+            return
+        command = commands.parse(text)
+        if command is not None:
+            self.prompt.value = ""
+            await self.run_command(command)
+            return
+        if self.turn is not None:
+            self.note("still answering; wait, or press Esc to stop it", error=True)
+            return
+        if self.app.engine is None or self.app.session is None:
+            self.note("no model is loaded, so there is nobody to answer", error=True)
+            return
+        self.prompt.value = ""
+        await self.start_turn(text)
+
+    @on(Prompt.PathPasted)
+    def pasted_path(self, event: Prompt.PathPasted) -> None:
+        self.attach(event.path)
+
+    @on(Prompt.BigPaste)
+    def pasted_text(self, event: Prompt.BigPaste) -> None:
+        from localchat.tui.pasted import pasted_document
+
+        self.pending_counted(pasted_document(event.text, len(self.pending) + 1))
+
+    @on(Chip.Removed)
+    async def remove_chip(self, event: Chip.Removed) -> None:
+        if 0 <= event.index < len(self.pending):
+            doc, _ = self.pending.pop(event.index)
+            self.note(f"removed {doc.name}")
+            await self.show_chips()
+
+    # --- documents -------------------------------------------------------------------------------
+
+    def attach(self, path: str) -> None:
+        self.note(f"reading {path}…")
+        self.run_worker(lambda: self._read_document(path), thread=True, group="documents")
+
+    def _read_document(self, path: str) -> None:
+        from localchat.documents import load_document
+        from localchat.errors import UserError
+
+        try:
+            doc = load_document(path, max_bytes=self.app.max_bytes)
+        except UserError as exc:
+            self.post_message(DocumentReady(error=str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.post_message(DocumentReady(error=f"cannot read {path}: {exc}"))
+            return
+        self.pending_counted(doc)
+
+    def pending_counted(self, doc) -> None:
+        """Count `doc`'s tokens off the UI thread, then add its chip."""
+        def count() -> None:
+            if self.app.engine is None:
+                self.post_message(DocumentReady(error=f"no model is loaded, so {doc.name} cannot be counted"))
+                return
+            with self.app.engine_lock:
+                tokens = self.app.engine.count_tokens(doc.text)
+            self.post_message(DocumentReady(doc, tokens))
+
+        if threading.current_thread() is threading.main_thread():
+            self.run_worker(count, thread=True, group="documents")
+        else:
+            count()
+
+    async def on_document_ready(self, msg: DocumentReady) -> None:
+        if msg.error:
+            self.note(msg.error, error=True)
+            return
+        doc, tokens = msg.document, msg.tokens
+        if any(d.sha256 == doc.sha256 for d, _ in self.pending):
+            self.note(f"{doc.name} is already attached")
+            return
+        self.pending.append((doc, tokens))
+        await self.show_chips()
+        self.note(f"attached {doc.name}: {tokens:,} tokens. {self.app.fit_note(tokens)}")
+
+    # --- turns -----------------------------------------------------------------------------------
+
+    async def start_turn(self, question: str) -> None:
+        turn = Turn(question, list(self.pending))
+        self.turn = turn
+        self.pending = []
+        await self.show_chips()
+        turn.user = UserMessage(question, [chip_label(d.name, n) for d, n in turn.documents])
+        turn.answer = AssistantMessage()
+        await self.conversation.mount_all([turn.user, turn.answer])
+        self.query_one(PrefillProgress).start()
+        self.run_worker(lambda: self._run_turn(turn), thread=True, group="turn")
+
+    def _run_turn(self, turn: Turn) -> None:
+        app = self.app
+        try:
+            with app.engine_lock:
+                shown = 0.0
+                for event in app.session.send(turn.question, [d for d, _ in turn.documents], app.settings,
+                                              turn.cancel):
+                    if isinstance(event, Progress):  # at most 10 redraws a second keep the keys snappy
+                        now = time.monotonic()
+                        if now - shown < PROGRESS_EVERY_S and event.done < event.total:
+                            continue
+                        shown = now
+                    self.post_message(EngineEvent(event))
+                    if isinstance(event, Done) and event.stop_reason != "cancelled":
+                        self._save()
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory outside the engine's own guard
+            self.post_message(EngineEvent(Error(_one_line(exc), exc)))
+        self.post_message(TurnEnded())
+
+    def _save(self) -> None:
+        try:
+            with closing(self.app.store()) as store:
+                name = store.save(self.app.session, self.app.chat_name)
+        except Exception as exc:  # noqa: BLE001
+            self.post_message(ChatSaved(None, f"could not save this chat: {_one_line(exc)}"))
+            return
+        self.post_message(ChatSaved(name))
+
+    async def on_engine_event(self, msg: EngineEvent) -> None:
+        turn, event = self.turn, msg.event
+        if turn is None:
+            return
+        progress = self.query_one(PrefillProgress)
+        if isinstance(event, Notice):
+            self.conversation.mount(Note(event.message), before=turn.answer)
+        elif isinstance(event, Progress):
+            turn.last_progress = event
+            progress.show(event)
+        elif isinstance(event, Token):
+            progress.hide()
+            await turn.answer.write(event.text)
+        elif isinstance(event, Done):
+            progress.hide()
+            turn.done = event
+            if event.stop_reason != "cancelled":
+                await turn.answer.finish(event.text)
+        elif isinstance(event, Error):
+            progress.hide()
+            turn.failed = event.message
+
+    async def on_turn_ended(self, _: TurnEnded) -> None:
+        turn, self.turn = self.turn, None
+        self.query_one(PrefillProgress).hide()
+        if turn is None:
+            return
+        if turn.failed is not None or turn.done is None or turn.done.stop_reason == "cancelled":
+            await self._restore(turn)
+        elif turn.done.stop_reason == "length":
+            self.note(f"the answer reached the {self.app.settings.max_new_tokens}-token limit "
+                      f"(--max-new-tokens)")
+        self.refresh_status()
+        self.refresh_map()
+
+    async def _restore(self, turn: Turn) -> None:
+        """The session is as before the turn: put the question and its documents back."""
+        await turn.answer.stop()
+        await turn.user.remove()
+        await turn.answer.remove()
+        if turn.failed is not None:
+            self.note(turn.failed, error=True)
+        else:
+            where = ""
+            if turn.done is not None and turn.done.new_tokens == 0 and turn.last_progress is not None:
+                p = turn.last_progress
+                where = f" while reading ({p.done:,}/{p.total:,} tokens)"
+            self.note(f"stopped{where}; your message is back in the input")
+        self.pending = turn.documents + self.pending
+        await self.show_chips()
+        self.prompt.value = turn.question
+        self.prompt.cursor_position = len(turn.question)
+
+    def on_chat_saved(self, msg: ChatSaved) -> None:
+        if msg.error:
+            self.note(msg.error, error=True)
+            return
+        self.app.chat_name = msg.name
+        self.refresh_chats()
+
+    # --- chats -----------------------------------------------------------------------------------
+
+    @on(OptionList.OptionSelected, "#chats")
+    def open_chat(self, event: OptionList.OptionSelected) -> None:
+        name = event.option.id
+        if name == self.app.chat_name:
+            return
+        if self.turn is not None:
+            self.note("still answering; wait, or press Esc to stop it", error=True)
+            return
+        if self.app.engine is None:
+            self.note("no model is loaded, so saved chats cannot be opened", error=True)
+            return
+        self.run_worker(lambda: self._load_chat(name), thread=True, group="turn")
+
+    def _load_chat(self, name: str) -> None:
+        try:
+            with self.app.engine_lock, closing(self.app.store()) as store:
+                session, notices = store.load(name, self.app.engine)
+        except Exception as exc:  # noqa: BLE001
+            self.post_message(ChatOpened(error=f"cannot open chat {name}: {_one_line(exc)}"))
+            return
+        self.post_message(ChatOpened(session, name, notices))
+
+    async def on_chat_opened(self, msg: ChatOpened) -> None:
+        if msg.error:
+            self.note(msg.error, error=True)
+            return
+        self.app.session, self.app.chat_name = msg.session, msg.name
+        await self.show_session()
+        for line in msg.notices:
+            self.note(line)
+        self.refresh_status()
+        self.refresh_map()
+
+    async def show_session(self) -> None:
+        """Draw the session's conversation from scratch."""
+        await self.conversation.remove_children()
+        session = self.app.session
+        items = []
+        questions = iter(session.questions)
+        for i, message in enumerate(session.messages):
+            if message["role"] == "user":
+                chips = [chip_label(a.name, a.tokens) for a in session.attachments if a.turn == i]
+                items.append(UserMessage(next(questions, message["content"]), chips))
+            elif message["role"] == "assistant":
+                items.append(AssistantMessage(message["content"]))
+        if session.system:
+            items.insert(0, Note(f"system prompt: {session.system}"))
+        await self.conversation.mount_all(items)
+
+    # --- actions (bound to keys, see localchat/tui/keys.py) ---------------------------------------
+
+    def action_cancel(self) -> None:
+        if self.turn is not None:
+            self.turn.cancel.set()
+
+    def action_toggle_map(self) -> None:
+        view = self.query_one(RetainedMap)
+        view.display = not view.display
+        self.refresh_map()
+
+    def action_toggle_sidebar(self) -> None:
+        sidebar = self.query_one("#sidebar")
+        sidebar.display = not sidebar.display
+
+    async def action_new_chat(self) -> None:
+        await self.run_command(commands.Command("new", ""))
+
+    async def action_export(self) -> None:
+        await self.run_command(commands.Command("export", ""))
+
+    async def action_help(self) -> None:
+        await self.run_command(commands.Command("help", ""))
+
+    def action_attach(self) -> None:
+        from localchat.tui.screens.file_picker import FilePicker
+
+        def picked(path: Path | None) -> None:
+            if path is not None:
+                self.attach(str(path))
+
+        self.app.push_screen(FilePicker(), picked)
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
