@@ -41,7 +41,7 @@ def test_send_shows_the_streamed_answer_and_updates_the_footer(tiny_engine):
     async def scenario(app, pilot):
         seen = record_events(app)
         before = status(app)
-        assert "kept 0 (no budget) units" in before and "prefill - tok/s" in before
+        assert "kept 0 (no budget)" in before and "prefill - tok/s" in before
         await type_text(pilot, "hello there")
         await settle(pilot)
         tokens = [e for e in seen if isinstance(e, Token)]
@@ -53,7 +53,7 @@ def test_send_shows_the_streamed_answer_and_updates_the_footer(tiny_engine):
         assert app.session.messages[-1] == {"role": "assistant", "content": done[0].text}
         after = status(app)
         assert after != before
-        assert f"kept {app.session.kv_units:,} (no budget) units" in after
+        assert f"kept {app.session.kv_units:,} (no budget)" in after
         assert f"prefill {done[0].prefill_tps:,.0f} tok/s" in after
         assert "tiny" in after and "full" in after and "RAM 100 MiB" in after
         assert not app.screen.query_one(PrefillProgress).display
@@ -181,7 +181,7 @@ def test_a_follow_up_does_not_reread_the_document(tiny_engine, tmp_path):
         assert second.prompt_tokens < 100  # only the new question was read
         assert max(p.total for p in seen if isinstance(p, Progress)) < 100
         assert len(answers(app)) == 2 and app.session.turns == 2
-        assert f"/{256:,} units" in status(app)
+        assert f"kept {app.session.kv_units:,}/256 ·" in status(app)
 
     run(scenario, make_app(tiny_engine))
 
@@ -202,8 +202,10 @@ def test_retained_map_shows_the_documents_cached_share(tiny_engine, tmp_path):
         assert "book.txt" in text
         row = text.splitlines()[1]
         # streaming keeps the sinks (before the document) and the recent end: the document's end only
-        assert row[-1] == "█" and row[0] == "·" and row[len(row) // 2] == "·", text
-        assert len(row) > 40 and set(row) <= set("·▁▂▃▄▅▆▇█")
+        assert row[-1] == "█" and row[0] == " " and row[len(row) // 2] == " ", text
+        assert len(row) > 40 and set(row) <= set(" ▁▂▃▄▅▆▇█")
+        shares = app.session.retained_map(len(row))
+        assert [c != " " for c in row] == [s > 0 for s in shares]
         await pilot.press("ctrl+r")
         assert not view.display
 
@@ -225,7 +227,7 @@ def test_slash_commands(tiny_engine, tmp_path):
         await type_text(pilot, "/policy streaming")
         assert tiny_engine.policy.name == "streaming"
         await type_text(pilot, "/budget 128")
-        assert tiny_engine.policy.budget == 128 and "kept 0/128 units" in status(app)
+        assert tiny_engine.policy.budget == 128 and "kept 0/128 ·" in status(app)
         await type_text(pilot, "/budget lots")
         assert "whole number" in errors(app)[-1]
         await type_text(pilot, "/profile")
@@ -282,6 +284,16 @@ def test_keys_are_remappable_through_config(tiny_engine, tmp_path, monkeypatch):
     run(scenario, make_app(tiny_engine))
 
 
+def test_no_subcommand_opens_the_chat_window(monkeypatch):
+    from localchat import cli
+    from localchat.tui import app as tui_app
+
+    opened = []
+    monkeypatch.setattr(tui_app, "run_tui", lambda args, settings: opened.append(args.command) or 0)
+    assert cli.main(["--max-new-tokens", "7"]) == 0
+    assert opened == [None]
+
+
 def test_model_load_failure_keeps_the_app_alive():
     def broken():
         raise OSError("no such model: nowhere/nothing\nsecond line")
@@ -312,6 +324,37 @@ def test_engine_errors_are_shown_and_the_question_restored(tiny_engine):
     run(scenario, make_app(tiny_engine))
 
 
+def test_out_of_memory_is_reported_and_the_chat_kept(tiny_engine):
+    import torch
+
+    async def scenario(app, pilot):
+        await type_text(pilot, "first question")
+        await settle(pilot)
+        send = app.session.send
+
+        def oom(*args, **kw):
+            for event in send(*args, **kw):
+                if isinstance(event, Token):
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                yield event
+
+        app.session.send = oom
+        await type_text(pilot, "second question")
+        await settle(pilot)
+        assert "out of memory while answering; the chat is kept" in errors(app)[-1]
+        assert app.screen.prompt.value == "second question"
+        assert [str(u.render()) for u in users(app)] == ["first question"] and len(answers(app)) == 1
+        app.session.send = send
+        seen = record_events(app)
+        await type_text(pilot, "second question")
+        await settle(pilot)
+        assert len(users(app)) == 2 and app.session.turns == 2
+        assert any("re-reading the conversation once: the last turn failed" in n for n in notes(app))
+        assert [e for e in seen if isinstance(e, Done)][-1].prompt_tokens > len("first question")
+
+    run(scenario, make_app(tiny_engine))
+
+
 def test_chats_are_saved_listed_and_reopened(tiny_engine, tmp_path):
     async def scenario(app, pilot):
         await type_text(pilot, "remember the word tangerine")
@@ -331,3 +374,35 @@ def test_chats_are_saved_listed_and_reopened(tiny_engine, tmp_path):
         assert len(answers(app)) == 1 and app.session.turns == 1
 
     run(scenario, make_app(tiny_engine, store_path=tmp_path / "chats.sqlite3"))
+
+
+def test_every_key_reaches_its_action_while_typing(tiny_engine):
+    from localchat.tui.keys import DEFAULT_KEYS
+
+    async def scenario(app, pilot):
+        assert app.screen.prompt.has_focus
+        active = app.screen.active_bindings
+        for ident, (key, action, _) in DEFAULT_KEYS.items():
+            assert key in active and active[key].binding.action == action, ident  # not shadowed by the input
+
+    run(scenario, make_app(tiny_engine))
+
+
+def test_ctrl_o_file_picker_attaches_the_chosen_file(tiny_engine, tmp_path):
+    from localchat.tui.screens.file_picker import FilePicker
+
+    path = doc(tmp_path, "picked.txt", 600)
+
+    async def scenario(app, pilot):
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, FilePicker)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, FilePicker) and chips(app) == []
+        await pilot.press("ctrl+o")
+        app.screen.query_one("#picker-path").value = str(path)
+        app.screen.query_one("#picker-path").focus()
+        await pilot.press("enter")
+        await settle(pilot)
+        assert chips(app) == [f"picked.txt · {tiny_engine.count_tokens(path.read_text()):,} tokens ✕"]
+
+    run(scenario, make_app(tiny_engine))

@@ -16,7 +16,7 @@ DEFAULT_KEYS: dict[str, tuple[str, str, str]] = {
     "new_chat": ("ctrl+n", "new_chat", "New chat"),
     "retained_map": ("ctrl+r", "toggle_map", "Retained map"),
     "sidebar": ("ctrl+b", "toggle_sidebar", "Chats"),
-    "export": ("ctrl+e", "export", "Export"),
+    "export": ("ctrl+s", "export", "Export"),
     "help": ("f1", "help", "Help"),
     "quit": ("ctrl+q", "app.quit", "Quit"),
 }

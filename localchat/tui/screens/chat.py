@@ -31,6 +31,8 @@ from localchat.tui.widgets.retained import RetainedMap, map_text
 from localchat.tui.widgets.status import StatusLine, status_text
 
 PROGRESS_EVERY_S = 0.1
+OUT_OF_MEMORY = ("out of memory while answering; the chat is kept. Try /budget with a smaller number, "
+                 "a smaller --chunk, or a shorter document")
 
 
 @dataclass
@@ -78,6 +80,7 @@ class ChatScreen(CommandHandlers, Screen):
         for problem in self.app.key_problems:
             self.note(problem, error=True)
         self.refresh_status()
+        self.set_interval(2.0, self.refresh_status)  # device memory moves during long reads
         self.refresh_chats()
         if self.app.engine is None and self.app.loader is not None:
             self.note("loading the model…")
@@ -287,8 +290,14 @@ class ChatScreen(CommandHandlers, Screen):
                     self.post_message(EngineEvent(event))
                     if isinstance(event, Done) and event.stop_reason != "cancelled":
                         self._save()
-        except Exception as exc:  # noqa: BLE001 - e.g. out of memory outside the engine's own guard
-            self.post_message(EngineEvent(Error(_one_line(exc), exc)))
+        except Exception as exc:  # noqa: BLE001 - the conversation and the app survive anything
+            import torch
+
+            # the cache may hold part of this turn: the next question re-reads the kept messages once
+            app.session.mark_stale("the last turn failed")
+            oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+            text = OUT_OF_MEMORY if oom else f"the engine failed: {_one_line(exc)}"
+            self.post_message(EngineEvent(Error(text, exc)))
         self.post_message(TurnEnded())
 
     def _save(self) -> None:
@@ -318,6 +327,7 @@ class ChatScreen(CommandHandlers, Screen):
             turn.done = event
             if event.stop_reason != "cancelled":
                 await turn.answer.finish(event.text)
+                await self.conversation.mount(Note(turn_stats(event), classes="stats"), after=turn.answer)
         elif isinstance(event, Error):
             progress.hide()
             turn.failed = event.message
@@ -443,6 +453,11 @@ class ChatScreen(CommandHandlers, Screen):
                 self.attach(str(path))
 
         self.app.push_screen(FilePicker(), picked)
+
+
+def turn_stats(done: Done) -> str:
+    return (f"read {done.prompt_tokens:,} new tokens in {done.prefill_s:.1f} s ({done.prefill_tps:,.0f} tok/s), "
+            f"wrote {done.new_tokens:,} at {done.decode_tps:,.1f} tok/s")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -44,5 +44,5 @@ class AssistantMessage(Vertical):
 class Note(Static):
     """A line from localchat itself: info, or an error (class "error")."""
 
-    def __init__(self, text: str, error: bool = False) -> None:
-        super().__init__(text, markup=False, classes="error" if error else "")
+    def __init__(self, text: str, error: bool = False, classes: str = "") -> None:
+        super().__init__(text, markup=False, classes=" ".join(filter(None, [classes, "error" if error else ""])))

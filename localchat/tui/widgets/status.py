@@ -26,11 +26,10 @@ def status_text(engine, session, memory: int | None) -> str:
     parts = [engine.name, engine.policy.name]
     if session is not None:
         budget = session.budget
-        kept = f"{session.kv_units:,}/{budget:,}" if budget else f"{session.kv_units:,} (no budget)"
-        parts.append(f"kept {kept} units")
-        parts.append(f"KV {session.kv_bytes / MIB:,.1f} MiB")
+        parts.append(f"kept {session.kv_units:,}/{budget:,}" if budget else f"kept {session.kv_units:,} (no budget)")
         last = session.last
-        parts.append(f"{last.compression:.1f}x smaller" if last else "-x smaller")
+        ratio = f"{last.compression:.1f}x" if last else "-x"
+        parts.append(f"KV {session.kv_bytes / MIB:,.1f} MiB ({ratio} smaller)")
     mem = f"{memory / MIB:,.0f} MiB" if memory is not None else "?"
     parts.append(f"{'GPU' if engine.device.type == 'cuda' else 'RAM'} {mem}")
     if session is not None and session.last is not None:
@@ -39,7 +38,7 @@ def status_text(engine, session, memory: int | None) -> str:
     else:
         parts.append("prefill - tok/s")
         parts.append("decode - tok/s")
-    return "  |  ".join(parts)
+    return " · ".join(parts)
 
 
 class StatusLine(Static):

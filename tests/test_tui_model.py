@@ -1,0 +1,55 @@
+"""The issue's "done when" story on the real SmolLM2-135M-Instruct: paste a 20K-token file's path, ask for
+the pass key, see the progress bar and the streamed answer, then a follow-up that does not re-read."""
+
+from __future__ import annotations
+
+import pytest
+
+from localchat.bench.tasks import passkey
+from localchat.engine.events import Done, Progress, Token
+from localchat.engine.sampling import GenerationSettings
+from localchat.tui.widgets.progress import PrefillProgress
+from tui_helpers import answers, chips, make_app, paste, run, settle, type_text, wait_for
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_twenty_thousand_token_pass_key_and_a_follow_up(smollm2, tmp_path):
+    from localchat.engine.policy_setup import policy_for
+
+    smollm2.set_policy(policy_for(smollm2, None))  # the default: LOCRET with the shipped heads
+    assert smollm2.policy.name == "locret"
+    sample = passkey(smollm2.tokenizer, 20_000, seed=3, depth=0.5)
+    path = tmp_path / "long notes.txt"
+    path.write_text(sample.document)
+
+    async def scenario(app, pilot):
+        seen = []
+        send = app.session.send
+
+        def spy(*args, **kw):
+            for event in send(*args, **kw):
+                seen.append(event)
+                yield event
+
+        app.session.send = spy
+        await paste(pilot, f"'{path}'")
+        await settle(pilot, timeout=60)
+        assert chips(app) == [f"long notes.txt · {smollm2.count_tokens(sample.document):,} tokens ✕"]
+        await type_text(pilot, sample.question)
+        await wait_for(pilot, lambda: app.screen.query_one(PrefillProgress).display
+                       and any(isinstance(e, Progress) for e in seen), timeout=120)
+        await settle(pilot, timeout=900)
+        first = [e for e in seen if isinstance(e, Done)][-1]
+        assert first.stop_reason != "cancelled" and first.prompt_tokens > 19_000
+        assert sum(isinstance(e, Progress) for e in seen) > 5
+        assert sample.answer in answers(app)[0].text
+        seen.clear()
+        await type_text(pilot, "Thank you. Repeat the pass key once more.")
+        await settle(pilot, timeout=300)
+        second = [e for e in seen if isinstance(e, Done)][-1]
+        assert second.prompt_tokens < 100 and second.new_tokens > 0  # the document was not read again
+        assert second.ttft_s < first.ttft_s / 10
+        assert len(answers(app)) == 2 and answers(app)[1].text.strip()
+
+    run(scenario, make_app(smollm2, settings=GenerationSettings(max_new_tokens=24)))
