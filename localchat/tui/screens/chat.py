@@ -291,10 +291,8 @@ class ChatScreen(CommandHandlers, Screen):
                     if isinstance(event, Done) and event.stop_reason != "cancelled":
                         self._save()
         except Exception as exc:  # noqa: BLE001 - the conversation and the app survive anything
-            import torch
+            import torch  # (the session puts itself back as before the turn when its stream is dropped)
 
-            # the cache may hold part of this turn: the next question re-reads the kept messages once
-            app.session.mark_stale("the last turn failed")
             oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
             text = OUT_OF_MEMORY if oom else f"the engine failed: {_one_line(exc)}"
             self.post_message(EngineEvent(Error(text, exc)))
