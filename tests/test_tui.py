@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from localchat.engine.events import Done, Progress, Token
 from localchat.engine.policies import make_policy
 from localchat.tui.widgets.chat_list import ChatList

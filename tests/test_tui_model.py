@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from localchat.bench.tasks import passkey
-from localchat.engine.events import Done, Progress, Token
+from localchat.engine.events import Done, Progress
 from localchat.engine.sampling import GenerationSettings
 from localchat.tui.widgets.progress import PrefillProgress
 from tui_helpers import answers, chips, make_app, paste, run, settle, type_text, wait_for

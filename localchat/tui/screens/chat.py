@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import closing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from textual import on
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, OptionList, Static
+from textual.widgets import Footer, Static
 
 from localchat.engine.events import Done, Error, Notice, Progress, Token
 from localchat.tui import commands, keys
-from localchat.tui.events import ChatOpened, ChatSaved, DocumentReady, EngineEvent, EngineLoaded, TurnEnded
+from localchat.tui.attachments import Attachments
+from localchat.tui.events import EngineEvent, EngineLoaded, TurnEnded
 from localchat.tui.handlers import CommandHandlers
+from localchat.tui.saved_chats import SavedChats
+from localchat.tui.text import one_line
 from localchat.tui.widgets.chat_list import ChatList
-from localchat.tui.widgets.chips import Chip, ChipBar, chip_label
+from localchat.tui.widgets.chips import ChipBar, chip_label
 from localchat.tui.widgets.messages import AssistantMessage, Note, UserMessage
 from localchat.tui.widgets.progress import PrefillProgress
 from localchat.tui.widgets.prompt import Prompt
@@ -47,7 +48,7 @@ class Turn:
     failed: str | None = None
 
 
-class ChatScreen(CommandHandlers, Screen):
+class ChatScreen(CommandHandlers, Attachments, SavedChats, Screen):
     CSS_PATH = "chat.tcss"
     BINDINGS = keys.bindings()
 
@@ -124,21 +125,6 @@ class ChatScreen(CommandHandlers, Screen):
         shares = session.retained_map(bins) if attachment else None
         view.update(map_text(shares, attachment and attachment.name, attachment and attachment.tokens))
 
-    def refresh_chats(self) -> None:
-        self.run_worker(self._list_chats, thread=True, group="store")
-
-    def _list_chats(self) -> None:
-        try:
-            with closing(self.app.store()) as store:
-                chats = store.list()
-        except Exception as exc:  # noqa: BLE001 - a broken store must not take the app down
-            self.app.call_from_thread(self.note, f"cannot list saved chats: {exc}", True)
-            return
-        self.app.call_from_thread(self.query_one(ChatList).show, chats, self.app.chat_name)
-
-    async def show_chips(self) -> None:
-        await self.query_one(ChipBar).show([chip_label(d.name, n) for d, n in self.pending])
-
     # --- engine loading --------------------------------------------------------------------------
 
     def _load_engine(self) -> None:
@@ -198,70 +184,6 @@ class ChatScreen(CommandHandlers, Screen):
         self.prompt.value = ""
         await self.start_turn(text)
 
-    @on(Prompt.PathPasted)
-    def pasted_path(self, event: Prompt.PathPasted) -> None:
-        self.attach(event.path)
-
-    @on(Prompt.BigPaste)
-    def pasted_text(self, event: Prompt.BigPaste) -> None:
-        from localchat.tui.pasted import pasted_document
-
-        self.pending_counted(pasted_document(event.text, len(self.pending) + 1))
-
-    @on(Chip.Removed)
-    async def remove_chip(self, event: Chip.Removed) -> None:
-        if 0 <= event.index < len(self.pending):
-            doc, _ = self.pending.pop(event.index)
-            self.note(f"removed {doc.name}")
-            await self.show_chips()
-
-    # --- documents -------------------------------------------------------------------------------
-
-    def attach(self, path: str) -> None:
-        self.note(f"reading {path}…")
-        self.run_worker(lambda: self._read_document(path), thread=True, group="documents")
-
-    def _read_document(self, path: str) -> None:
-        from localchat.documents import load_document
-        from localchat.errors import UserError
-
-        try:
-            doc = load_document(path, max_bytes=self.app.max_bytes)
-        except UserError as exc:
-            self.post_message(DocumentReady(error=str(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001
-            self.post_message(DocumentReady(error=f"cannot read {path}: {exc}"))
-            return
-        self.pending_counted(doc)
-
-    def pending_counted(self, doc) -> None:
-        """Count `doc`'s tokens off the UI thread, then add its chip."""
-        def count() -> None:
-            if self.app.engine is None:
-                self.post_message(DocumentReady(error=f"no model is loaded, so {doc.name} cannot be counted"))
-                return
-            with self.app.engine_lock:
-                tokens = self.app.engine.count_tokens(doc.text)
-            self.post_message(DocumentReady(doc, tokens))
-
-        if threading.current_thread() is threading.main_thread():
-            self.run_worker(count, thread=True, group="documents")
-        else:
-            count()
-
-    async def on_document_ready(self, msg: DocumentReady) -> None:
-        if msg.error:
-            self.note(msg.error, error=True)
-            return
-        doc, tokens = msg.document, msg.tokens
-        if any(d.sha256 == doc.sha256 for d, _ in self.pending):
-            self.note(f"{doc.name} is already attached")
-            return
-        self.pending.append((doc, tokens))
-        await self.show_chips()
-        self.note(f"attached {doc.name}: {tokens:,} tokens. {self.app.fit_note(tokens)}")
-
     # --- turns -----------------------------------------------------------------------------------
 
     async def start_turn(self, question: str) -> None:
@@ -294,18 +216,9 @@ class ChatScreen(CommandHandlers, Screen):
             import torch  # (the session puts itself back as before the turn when its stream is dropped)
 
             oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-            text = OUT_OF_MEMORY if oom else f"the engine failed: {_one_line(exc)}"
+            text = OUT_OF_MEMORY if oom else f"the engine failed: {one_line(exc)}"
             self.post_message(EngineEvent(Error(text, exc)))
         self.post_message(TurnEnded())
-
-    def _save(self) -> None:
-        try:
-            with closing(self.app.store()) as store:
-                name = store.save(self.app.session, self.app.chat_name)
-        except Exception as exc:  # noqa: BLE001
-            self.post_message(ChatSaved(None, f"could not save this chat: {_one_line(exc)}"))
-            return
-        self.post_message(ChatSaved(name))
 
     async def on_engine_event(self, msg: EngineEvent) -> None:
         turn, event = self.turn, msg.event
@@ -361,64 +274,6 @@ class ChatScreen(CommandHandlers, Screen):
         self.prompt.value = turn.question
         self.prompt.cursor_position = len(turn.question)
 
-    def on_chat_saved(self, msg: ChatSaved) -> None:
-        if msg.error:
-            self.note(msg.error, error=True)
-            return
-        self.app.chat_name = msg.name
-        self.refresh_chats()
-
-    # --- chats -----------------------------------------------------------------------------------
-
-    @on(OptionList.OptionSelected, "#chats")
-    def open_chat(self, event: OptionList.OptionSelected) -> None:
-        name = event.option.id
-        if name == self.app.chat_name:
-            return
-        if self.turn is not None:
-            self.note("still answering; wait, or press Esc to stop it", error=True)
-            return
-        if self.app.engine is None:
-            self.note("no model is loaded, so saved chats cannot be opened", error=True)
-            return
-        self.run_worker(lambda: self._load_chat(name), thread=True, group="turn")
-
-    def _load_chat(self, name: str) -> None:
-        try:
-            with self.app.engine_lock, closing(self.app.store()) as store:
-                session, notices = store.load(name, self.app.engine)
-        except Exception as exc:  # noqa: BLE001
-            self.post_message(ChatOpened(error=f"cannot open chat {name}: {_one_line(exc)}"))
-            return
-        self.post_message(ChatOpened(session, name, notices))
-
-    async def on_chat_opened(self, msg: ChatOpened) -> None:
-        if msg.error:
-            self.note(msg.error, error=True)
-            return
-        self.app.session, self.app.chat_name = msg.session, msg.name
-        await self.show_session()
-        for line in msg.notices:
-            self.note(line)
-        self.refresh_status()
-        self.refresh_map()
-
-    async def show_session(self) -> None:
-        """Draw the session's conversation from scratch."""
-        await self.conversation.remove_children()
-        session = self.app.session
-        items = []
-        questions = iter(session.questions)
-        for i, message in enumerate(session.messages):
-            if message["role"] == "user":
-                chips = [chip_label(a.name, a.tokens) for a in session.attachments if a.turn == i]
-                items.append(UserMessage(next(questions, message["content"]), chips))
-            elif message["role"] == "assistant":
-                items.append(AssistantMessage(message["content"]))
-        if session.system:
-            items.insert(0, Note(f"system prompt: {session.system}"))
-        await self.conversation.mount_all(items)
-
     # --- actions (bound to keys, see localchat/tui/keys.py) ---------------------------------------
 
     def action_cancel(self) -> None:
@@ -443,20 +298,6 @@ class ChatScreen(CommandHandlers, Screen):
     async def action_help(self) -> None:
         await self.run_command(commands.Command("help", ""))
 
-    def action_attach(self) -> None:
-        from localchat.tui.screens.file_picker import FilePicker
-
-        def picked(path: Path | None) -> None:
-            if path is not None:
-                self.attach(str(path))
-
-        self.app.push_screen(FilePicker(), picked)
-
-
 def turn_stats(done: Done) -> str:
     return (f"read {done.prompt_tokens:,} new tokens in {done.prefill_s:.1f} s ({done.prefill_tps:,.0f} tok/s), "
             f"wrote {done.new_tokens:,} at {done.decode_tps:,.1f} tok/s")
-
-
-def _one_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

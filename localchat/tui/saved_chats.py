@@ -1,0 +1,93 @@
+"""Saved chats: the sidebar list, saving after each answer, opening one (store work in thread workers)."""
+
+from __future__ import annotations
+
+from contextlib import closing
+
+from textual.widgets import OptionList
+
+from localchat.tui.events import ChatOpened, ChatSaved
+from localchat.tui.text import one_line
+from localchat.tui.widgets.chat_list import ChatList
+from localchat.tui.widgets.chips import chip_label
+from localchat.tui.widgets.messages import AssistantMessage, Note, UserMessage
+
+
+class SavedChats:
+    """Mixed into the chat screen."""
+
+    def refresh_chats(self) -> None:
+        self.run_worker(self._list_chats, thread=True, group="store")
+
+    def _list_chats(self) -> None:
+        try:
+            with closing(self.app.store()) as store:
+                chats = store.list()
+        except Exception as exc:  # noqa: BLE001 - a broken store must not take the app down
+            self.app.call_from_thread(self.note, f"cannot list saved chats: {exc}", True)
+            return
+        self.app.call_from_thread(self.query_one(ChatList).show, chats, self.app.chat_name)
+
+    def _save(self) -> None:
+        try:
+            with closing(self.app.store()) as store:
+                name = store.save(self.app.session, self.app.chat_name)
+        except Exception as exc:  # noqa: BLE001
+            self.post_message(ChatSaved(None, f"could not save this chat: {one_line(exc)}"))
+            return
+        self.post_message(ChatSaved(name))
+
+    def on_chat_saved(self, msg: ChatSaved) -> None:
+        if msg.error:
+            self.note(msg.error, error=True)
+            return
+        self.app.chat_name = msg.name
+        self.refresh_chats()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        name = event.option.id
+        if name == self.app.chat_name:
+            return
+        if self.turn is not None:
+            self.note("still answering; wait, or press Esc to stop it", error=True)
+            return
+        if self.app.engine is None:
+            self.note("no model is loaded, so saved chats cannot be opened", error=True)
+            return
+        self.run_worker(lambda: self._load_chat(name), thread=True, group="turn")
+
+    def _load_chat(self, name: str) -> None:
+        try:
+            with self.app.engine_lock, closing(self.app.store()) as store:
+                session, notices = store.load(name, self.app.engine)
+        except Exception as exc:  # noqa: BLE001
+            self.post_message(ChatOpened(error=f"cannot open chat {name}: {one_line(exc)}"))
+            return
+        self.post_message(ChatOpened(session, name, notices))
+
+    async def on_chat_opened(self, msg: ChatOpened) -> None:
+        if msg.error:
+            self.note(msg.error, error=True)
+            return
+        self.app.session, self.app.chat_name = msg.session, msg.name
+        await self.show_session()
+        for line in msg.notices:
+            self.note(line)
+        self.refresh_status()
+        self.refresh_map()
+
+    async def show_session(self) -> None:
+        """Draw the session's conversation from scratch."""
+        await self.conversation.remove_children()
+        session = self.app.session
+        items = []
+        questions = iter(session.questions)
+        for i, message in enumerate(session.messages):
+            if message["role"] == "user":
+                chips = [chip_label(a.name, a.tokens) for a in session.attachments if a.turn == i]
+                items.append(UserMessage(next(questions, message["content"]), chips))
+            elif message["role"] == "assistant":
+                items.append(AssistantMessage(message["content"]))
+        if session.system:
+            items.insert(0, Note(f"system prompt: {session.system}"))
+        await self.conversation.mount_all(items)
