@@ -126,6 +126,14 @@ class Session:
         heads = self.cache.layers[0].positions.shape[0]
         return (held / (per_bin * heads * len(self.cache.layers))).clamp(max=1.0).tolist()
 
+    def kept_share(self, start: int, end: int) -> float:
+        """The share of the units at true positions [start, end) still cached, over layers and KV heads."""
+        if self.cache is None or end <= start:
+            return 0.0
+        held = sum(int(((layer.positions >= start) & (layer.positions < end)).sum()) for layer in self.cache.layers)
+        heads = self.cache.layers[0].positions.shape[0]
+        return held / ((end - start) * heads * len(self.cache.layers))
+
     def export_markdown(self) -> str:
         lines = [f"# {self.title()}", "", f"*{self.engine.name}, {self.engine.policy.name} policy*", ""]
         if self.system:

@@ -207,3 +207,15 @@ def test_report_keeps_locret_heads_apart(tmp_path):
             {"policy": "full", "heads": None}]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [r["policy"] for r in load_rows(tmp_path)] == ["locret[random]", "locret[trained-d256]", "full"]
+
+
+def test_multiturn_turns_axis_and_needle_retention(tiny_dir, tmp_path):
+    config = BenchConfig(tasks=["multiturn"], lengths=[300], policies=["full", "streaming"], budgets=[48], n=1,
+                         out=tmp_path, model=tiny_dir, chunk=32, answer_tokens=2, in_process=True, turns=[0, 2])
+    run(config, say=lambda line: None)
+    rows = {(r["policy"], r["turns"]): r for r in _rows(tmp_path)}
+    assert set(rows) == {(p, t) for p in ("full", "streaming") for t in (0, 2)}
+    assert [len(rows["full", t]["followups"]) for t in (0, 2)] == [2, 4]
+    assert rows["full", 2]["needle_kept"] == 1.0  # full attention keeps every unit
+    # StreamingLLM keeps sinks + the recent window: a needle in the middle of the document is gone
+    assert rows["streaming", 0]["depth"] == 0.5 and rows["streaming", 0]["needle_kept"] == 0.0

@@ -26,7 +26,7 @@ from localchat.errors import UserError
 
 FOLLOWUP_TOKENS = 8  # answer length of the earlier multiturn turns (the model's own answers are kept)
 KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
-              "max_new_tokens")
+              "max_new_tokens", "turns")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Cell:
     chunk: int
     positions: str
     max_new_tokens: int
+    turns: int | None = None  # multiturn: unrelated turns between the document and the question
 
     def key(self, example: int) -> str:
         return json.dumps([*(getattr(self, f) for f in KEY_FIELDS), example])
@@ -64,7 +65,8 @@ def example_seed(seed: int, task: str, length: int, example: int) -> int:
 def sample_for(cell: Cell, tokenizer, example: int) -> Sample:
     seed = example_seed(cell.seed, cell.task, cell.length, example)
     try:
-        return make_sample(cell.task, tokenizer, cell.length, seed, depth_for(example, cell.n))
+        extra = {"turns": cell.turns} if cell.turns is not None else {}
+        return make_sample(cell.task, tokenizer, cell.length, seed, depth_for(example, cell.n), **extra)
     except ValueError as exc:  # a length too short for the task
         raise UserError(f"{cell.task} at {cell.length} tokens: {exc}") from exc
 
@@ -151,10 +153,14 @@ def _timing(turn: int, done: Done) -> dict:
             "kv_tokens": done.kv_tokens}
 
 
-def _conversation(engine, sample: Sample, max_new: int) -> tuple[Done | str, list[dict], int]:
+NEEDLE_SPAN = 20  # tokens from the asked needle's offset counted by `needle_kept` (its sentence)
+
+
+def _conversation(engine, sample: Sample, max_new: int) -> tuple[Done | str, list[dict], int, float | None]:
     """multiturn the way the app runs it: one Session, each turn reads only its new tokens and the
     model's own (short) answers stay in the compressed cache. Returns the last Done (or the error),
-    every turn's timing and the tokens the conversation put through the model."""
+    every turn's timing, the tokens the conversation put through the model, and the share of the asked
+    needle's units still cached at the end (over layers and KV heads)."""
     from localchat.session import Session
 
     session = Session(engine)
@@ -172,9 +178,11 @@ def _conversation(engine, sample: Sample, max_new: int) -> tuple[Done | str, lis
             elif isinstance(event, Error):
                 done = event.message
         if isinstance(done, str):
-            return done, timings, session.fed
+            return done, timings, session.fed, None
         timings.append(_timing(turn, done))
-    return done, timings, session.fed
+    doc = session.attachments[0]
+    at = doc.start + sample.needle_token
+    return done, timings, session.fed, round(session.kept_share(at, min(at + NEEDLE_SPAN, doc.end)), 4)
 
 
 def run_example(engine, sample: Sample, max_new: int) -> dict:
@@ -182,9 +190,9 @@ def run_example(engine, sample: Sample, max_new: int) -> dict:
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     followups: list[dict] = []
-    conversation = None
+    conversation = needle_kept = None
     if sample.task == "multiturn":
-        done, followups, conversation = _conversation(engine, sample, max_new)
+        done, followups, conversation, needle_kept = _conversation(engine, sample, max_new)
     else:
         done = _complete(engine, prompt_messages(sample), max_new)
     if isinstance(done, str):
@@ -197,7 +205,7 @@ def run_example(engine, sample: Sample, max_new: int) -> dict:
         "prefill_tps": round(done.prefill_tps, 2), "decode_tps": round(done.decode_tps, 2),
         "kv_tokens": done.kv_tokens, "kv_bytes": done.kv_bytes, "kv_full_bytes": done.kv_full_bytes,
         "compression": round(done.compression, 3), "followups": followups or None,
-        "conversation_tokens": conversation,
+        "conversation_tokens": conversation, "needle_kept": needle_kept,
     }
 
 

@@ -43,6 +43,8 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--positions", default=argparse.SUPPRESS,
                        help="compact|original (default: compact for evicting policies, original for full)")
     bench.add_argument("--answer-tokens", type=int, default=None, help="answer length limit (default: per task)")
+    bench.add_argument("--turns", default=None,
+                       help="multiturn: unrelated turns between the document and the question, e.g. 0,3,9 (default 9)")
     bench.add_argument("--in-process", action="store_true",
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
@@ -97,6 +99,8 @@ def _command(args, perf: bool) -> str:
             parts += ["--positions", args.positions]
         if args.answer_tokens is not None:
             parts += ["--answer-tokens", str(args.answer_tokens)]
+        if args.turns is not None:
+            parts += ["--turns", args.turns]
         if args.in_process:
             parts.append("--in-process")
     for flag in ("model", "heads", "chunk", "seed"):
@@ -129,6 +133,7 @@ def run(args) -> int:
         out=Path(args.out), model=getattr(args, "model", None), heads=getattr(args, "heads", None),
         chunk=getattr(args, "chunk", None), positions=getattr(args, "positions", None),
         seed=getattr(args, "seed", 0) or 0, answer_tokens=args.answer_tokens, in_process=args.in_process,
+        turns=_ints(args.turns, "turns") if args.turns is not None else None,
         command=_command(args, perf=False),
     )
     run_grid(config, say=_say)

@@ -36,6 +36,8 @@ def load_rows(directory: Path) -> list[dict]:
     for row in rows:  # LOCRET runs with different heads are different rows of every table
         if row["policy"] == "locret" and row.get("heads"):
             row["policy"] = f"locret[{Path(str(row['heads'])).name}]"
+        if row.get("turns") is not None:  # multiturn with a set number of unrelated turns
+            row["task"] = f"{row['task']}[{row['turns']} turns]"
     return rows
 
 

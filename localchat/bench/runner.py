@@ -9,6 +9,7 @@ cell with nothing left is skipped. `full` ignores budgets (one cell set, budget 
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -41,6 +42,7 @@ class BenchConfig:
     positions: str | None = None
     seed: int = 0
     answer_tokens: int | None = None  # None: each task's own limit (tasks.ANSWER_TOKENS)
+    turns: list[int] | None = None  # multiturn only: unrelated turns (None: the task's default, 9)
     in_process: bool = False
     command: str = ""
     engines: dict = field(default_factory=dict, repr=False)  # in-process: loaded engines by (model, chunk)
@@ -72,6 +74,8 @@ def check(config: BenchConfig) -> None:
                         (config.chunk, "--chunk"), (config.answer_tokens, "--answer-tokens")]:
         if value is not None and value < 1:
             raise UserError(f"{what} must be at least 1 (got {value})")
+    if any(t < 0 for t in config.turns or []):
+        raise UserError("--turns must be 0 or more")
     if config.positions is not None and config.positions not in POSITION_MODES:
         raise UserError(f"unknown position mode {config.positions!r}; choose from: {', '.join(POSITION_MODES)}")
     if "locret" in config.policies and not config.heads and not _ships_heads(config.model):
@@ -105,12 +109,13 @@ def plan(config: BenchConfig) -> list[Cell]:
         for length in config.lengths:
             for policy in config.policies:
                 evicts = POLICIES[policy].evicts
-                for budget in config.budgets if evicts else [None]:
+                for budget, turns in itertools.product(config.budgets if evicts else [None],
+                                                       (config.turns or [None]) if task == "multiturn" else [None]):
                     cells.append(Cell(
                         task=task, length=length, policy=policy, budget=budget, n=config.n, seed=config.seed,
                         model_spec=config.model, heads=config.heads if policy == "locret" else None, chunk=chunk,
                         positions=config.positions or ("compact" if evicts else "original"),
-                        max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task],
+                        max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task], turns=turns,
                     ))
     return cells
 

@@ -457,5 +457,6 @@ def depth_for(i: int, n: int) -> float:
     return i / (n - 1) if n > 1 else 0.5
 
 
-def make_sample(task: str, tokenizer, n_tokens: int, seed: int, depth: float | None) -> Sample:
-    return TASKS[task](tokenizer, n_tokens, seed, depth)
+def make_sample(task: str, tokenizer, n_tokens: int, seed: int, depth: float | None, **options) -> Sample:
+    """`options`: task settings, e.g. turns=N for multiturn."""
+    return TASKS[task](tokenizer, n_tokens, seed, depth, **options)
