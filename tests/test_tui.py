@@ -254,6 +254,7 @@ def test_slash_completion_and_the_command_palette(tiny_engine):
         assert "/policy NAME" in str(app.screen.query_one("#hint").render())
         await pilot.press("tab")
         assert prompt.value == "/policy "
+        assert "streaming" in str(app.screen.query_one("#hint").render())
         await pilot.press("s", "t")
         await pilot.pause(0.1)
         await pilot.press("tab")

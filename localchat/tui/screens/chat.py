@@ -151,7 +151,10 @@ class ChatScreen(CommandHandlers, Attachments, SavedChats, Screen):
     def show_hint(self, event: Prompt.Changed) -> None:
         hint = self.query_one("#hint", Static)
         value = event.value
-        if value.startswith("/") and " " not in value:
+        if value.startswith("/policy "):
+            hint.update("policies: " + ", ".join(self.app.policy_names()) + "   (Tab completes)")
+            hint.display = True
+        elif value.startswith("/") and " " not in value:
             found = commands.matches(value[1:])
             hint.update("   ".join(commands.usage(n) for n in found) if found else "no such command; /help lists them")
             hint.display = True
