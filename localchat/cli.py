@@ -36,6 +36,8 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--decode-window", type=int, default=d(None),
                    help="evict during long answers too, keeping budget + this many recent units (default off)")
     p.add_argument("--heads", default=d(None), help="retaining heads directory, or `random` (ablation)")
+    p.add_argument("--profile", "-P", default=d(None), metavar="NAME",
+                   help="device profile (`localchat profile list`), or `none`; default: config.toml's default_profile")
     p.add_argument("--debug", action="store_true", default=d(False), help="show Python tracebacks")
 
 
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("fetch-model", help="fetch and convert the embedded default model now (once)")
     sub.add_parser("policies", help="list the KV-cache policies")
+    from localchat import profile_cli
+
+    profile_cli.add_parsers(sub, _model_flags)
     from localchat.train import cli as train_cli
 
     train_cli.add_parser(sub)
@@ -93,11 +98,14 @@ def load_engine(args):
     """The engine with the policy the flags ask for (card defaults fill the gaps)."""
     from localchat.engine.engine import Engine
     from localchat.engine.policy_setup import policy_for
+    from localchat.profile_cli import apply_profile, fit_engine
 
+    apply_profile(args)  # CLI > LOCALCHAT_* > profile; the planner fills the rest
     engine = Engine.load(args.model, chunk=args.chunk, positions=args.positions)
     engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
                                  local=args.local, heads=args.heads, decode_window=args.decode_window),
                       args.positions)
+    fit_engine(engine, args)
     return engine
 
 
@@ -217,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_ask(args)
         if args.command == "policies":
             return run_policies()
+        if args.command in ("plan", "profile"):
+            from localchat import profile_cli
+
+            return profile_cli.run_plan(args) if args.command == "plan" else profile_cli.run_profile(args)
         if args.command == "sessions":
             return run_sessions(args)
         if args.command == "bench":
@@ -241,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             from localchat.chat import run_chat
 
             return run_chat(args, _settings(args))
+        from localchat.profile_cli import apply_profile
         from localchat.tui.app import run_tui  # no subcommand: the chat window
+
+        apply_profile(args)  # before the window reads the flags
 
         return run_tui(args, _settings(args))
     except UserError as exc:

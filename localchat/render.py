@@ -6,7 +6,7 @@ import sys
 from typing import TextIO
 
 from localchat.documents import Document
-from localchat.engine.events import Done, Error, Progress, Token
+from localchat.engine.events import Done, Error, Notice, Progress, Token
 
 
 def user_turn(question: str, documents: list[Document]) -> str:
@@ -70,6 +70,9 @@ def stream_to(events, cancel, out: TextIO) -> Done | Error | None:
                 bar.update(ev)
                 continue
             bar.clear()
+            if isinstance(ev, Notice):  # e.g. the chunk was halved after running out of memory
+                print(f"localchat: {ev.message}", file=sys.stderr)
+                continue
             if isinstance(ev, Token):
                 out.write(ev.text)
                 out.flush()

@@ -131,6 +131,10 @@ class Engine:
         return KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
                        inv_freq=inv_freq)
 
+    def _chunk_halved(self, chunk: int) -> None:
+        """Prefill ran out of memory and halved the chunk: later reads use the smaller one."""
+        self.chunk = chunk
+
     @property
     def compressing(self) -> bool:
         """True when positions stay bounded by the budget (compact positions with an evicting policy)."""
@@ -171,7 +175,7 @@ class Engine:
             if p.evicts and cache.get_seq_length() > p.budget:  # an earlier turn: compress the history
                 evict(cache, p, last_chunk=True)
             logits = yield from prefill(self.model, cache, ids, chunk=self.chunk, policy=p, first_pos=first_pos,
-                                        cancel=cancel)
+                                        cancel=cancel, on_oom=self._chunk_halved)
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             pos = first_pos + n

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from localchat.engine.cache import KVCache
-from localchat.engine.events import Progress
+from localchat.engine.events import Notice, Progress
 from localchat.engine.policies.base import Policy, protect_recent
 
 
@@ -74,6 +74,22 @@ def plan_steps(n: int, chunk: int, local: int) -> list[tuple[int, int, bool, boo
     return steps
 
 
+def _rollback(cache: KVCache, lengths: list[int]) -> None:
+    """Drop what a failed forward appended: every layer back to its length before the chunk."""
+    for layer, n in zip(cache.layers, lengths):
+        extra = layer.get_seq_length() - n
+        if extra > 0:
+            layer.crop(-extra)
+
+
+def _free_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def prefill(
     model,
     cache: KVCache,
@@ -84,29 +100,50 @@ def prefill(
     first_pos: int = 0,
     cancel: threading.Event | None = None,
     on_chunk: Callable[[ChunkReport], None] | None = None,
-) -> Generator[Progress, None, torch.Tensor]:
+    on_oom: Callable[[int], None] | None = None,
+) -> Generator[Progress | Notice, None, torch.Tensor]:
     """Feed `ids` (`[1, n]`) in chunks, evicting after each chunk of the head when the policy evicts.
 
     Yields Progress after each step; returns the last logits `[vocab]`. Raises Cancelled between steps.
+    Out of memory in a chunk's forward: the chunk's units are dropped, memory is freed, the chunk size is
+    halved (`on_oom(new_chunk)` is told) and the same tokens are read again; a Notice says so. Steps are
+    those of plan_steps at the chunk size in force.
     """
     n = ids.shape[-1]
     if n == 0:
         raise ValueError("prefill needs at least one token")
     evicting = policy is not None and policy.evicts
-    steps = plan_steps(n, chunk, policy.local if evicting else 0)
+    head_end = max(0, n - (policy.local if evicting else 0))
     t0 = time.perf_counter()
     logits = None
-    for start, end, evict_after, last in steps:
+    start = 0
+    while start < n:
         if cancel is not None and cancel.is_set():
             raise Cancelled
+        in_head = start < head_end
+        end = min(start + chunk, head_end if in_head else n)
+        last = in_head and end >= head_end
         piece = ids[:, start:end]
-        logits = forward(model, cache, piece, first_pos + start)
+        lengths = [layer.get_seq_length() for layer in cache.layers]
+        try:
+            logits = forward(model, cache, piece, first_pos + start)
+        except torch.OutOfMemoryError:
+            if chunk <= 1:
+                raise
+            _rollback(cache, lengths)
+            _free_memory(ids.device)
+            old, chunk = chunk, max(1, chunk // 2)
+            if on_oom is not None:
+                on_oom(chunk)
+            yield Notice(f"out of memory reading a chunk of {old:,} tokens; freed it and reading in chunks of {chunk:,}")
+            continue
         if policy is not None:
             policy.observe(cache, end - start, piece)
-        evicted = evicting and evict_after and evict(cache, policy, last)
+        evicted = evicting and in_head and evict(cache, policy, last)
         if on_chunk is not None:
             on_chunk(ChunkReport(start, end, evicted, cache.get_seq_length()))
         elapsed = time.perf_counter() - t0
         tps = end / elapsed if elapsed > 0 else 0.0
         yield Progress(done=end, total=n, tokens_per_s=tps, eta_s=(n - end) / tps if tps > 0 else None)
+        start = end
     return logits

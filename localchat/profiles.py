@@ -1,0 +1,356 @@
+"""Per-device profiles: built-ins in profiles/*.toml, the user's in config.toml as [profiles.NAME] tables.
+
+Precedence for every setting: command line > LOCALCHAT_* environment > profile > auto-detected (the
+model card and the memory planner). The profile is --profile NAME (or `none`), else LOCALCHAT_PROFILE,
+else config.toml's `default_profile`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from localchat import paths
+from localchat.errors import UserError
+from localchat.toml import toml
+
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4", "int4")
+KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "int2")
+POSITIONS = ("compact", "original")
+
+
+def _policies() -> tuple[str, ...]:
+    from localchat.engine.policies import POLICIES
+
+    return tuple(POLICIES)
+
+
+# Settings a profile may hold: key -> (kind, lower bound or choices). These reach the engine.
+SETTINGS: dict[str, tuple[str, Any]] = {
+    "model": ("str", None),
+    "policy": ("choice", _policies),
+    "positions": ("choice", POSITIONS),
+    "budget": ("int", 1),
+    "chunk": ("int", 1),
+    "stabilizers": ("int", 0),
+    "local": ("int", 0),
+    "weights": ("choice", WEIGHT_DTYPES),
+    "kv": ("choice", KV_DTYPES),
+    "margin_mib": ("int", 0),
+}
+# Facts about the device a profile is for (not settings).
+META: dict[str, tuple[str, Any]] = {
+    "description": ("str", None),
+    "device": ("str", None),  # a GPU name fragment ("RTX 4090") or "cpu"
+    "memory_gb": ("float", 0.001),
+    "fingerprint": ("str", None),  # set by `profile tune`
+    "measured": ("table", None),  # set by `profile tune`
+}
+CONFIG_NAME = "config.toml"
+
+
+@dataclass
+class Profile:
+    name: str
+    values: dict[str, Any]  # settings only
+    meta: dict[str, Any] = field(default_factory=dict)
+    origin: str = "built-in"  # "built-in" or the config.toml path
+
+    @property
+    def where(self) -> str:
+        """Where its values live, for messages: `built-in rtx4090` or `<config.toml>: profiles.NAME`."""
+        return f"built-in {self.name}" if self.origin == "built-in" else f"{self.origin}: profiles.{self.name}"
+
+    @property
+    def label(self) -> str:
+        return f"profile {self.name} ({'built-in' if self.origin == 'built-in' else 'config.toml'})"
+
+
+# --- checking values ---------------------------------------------------------------------------------
+
+
+def check_value(key: str, value: Any, spec: tuple[str, Any]) -> str | None:
+    """None if `value` is valid for `key`, else what is wrong (one short phrase)."""
+    kind, arg = spec
+    if kind == "str":
+        return None if isinstance(value, str) and value.strip() else f"must be a non-empty string (got {value!r})"
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer >= {arg} (got {value!r})"
+        return None if value >= arg else f"must be >= {arg} (got {value})"
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number (got {value!r})"
+        return None if value >= arg else f"must be positive (got {value})"
+    if kind == "choice":
+        choices = arg() if callable(arg) else arg
+        return None if value in choices else f"must be one of {', '.join(choices)} (got {value!r})"
+    if kind == "table":
+        return None if isinstance(value, dict) else f"must be a table (got {value!r})"
+    return None
+
+
+def problems(table: dict, where: str) -> list[str]:
+    """One line per problem in a profile table."""
+    out = []
+    for key, value in table.items():
+        spec = SETTINGS.get(key) or META.get(key)
+        if spec is None:
+            out.append(f"{where}.{key}: unknown setting; known: {', '.join([*SETTINGS, *META])}")
+            continue
+        wrong = check_value(key, value, spec)
+        if wrong:
+            out.append(f"{where}.{key}: {wrong}")
+    budget, stab = table.get("budget"), table.get("stabilizers")
+    if isinstance(budget, int) and isinstance(stab, int) and not isinstance(stab, bool) and stab >= budget >= 1:
+        out.append(f"{where}.stabilizers: must be below budget ({stab} >= {budget})")
+    return out
+
+
+def _profile(name: str, table: dict, origin: str) -> Profile:
+    values = {k: v for k, v in table.items() if k in SETTINGS}
+    meta = {k: v for k, v in table.items() if k in META}
+    return Profile(name, values, meta, origin)
+
+
+# --- reading -------------------------------------------------------------------------------------------
+
+
+def config_path() -> Path:
+    return paths.config_dir() / CONFIG_NAME
+
+
+def _parse(text: str, where: str) -> dict:
+    try:
+        return toml.loads(text)
+    except toml.TOMLDecodeError as exc:
+        raise UserError(f"{where}: malformed TOML: {exc}") from None
+
+
+def read_config(path: Path | None = None) -> dict:
+    """config.toml as a dict ({} when absent); UserError naming the file, line and problem when malformed."""
+    path = path or config_path()
+    if not path.exists():
+        return {}
+    return _parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def builtin_profiles() -> dict[str, Profile]:
+    out = {}
+    for entry in sorted(resources.files("localchat.builtin_profiles").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".toml"):
+            name = entry.name[: -len(".toml")]
+            out[name] = _profile(name, _parse(entry.read_text(encoding="utf-8"), f"built-in profile {entry.name}"),
+                                 "built-in")
+    return out
+
+
+def user_profiles(config: dict | None = None) -> dict[str, Profile]:
+    config = read_config() if config is None else config
+    tables = config.get("profiles", {})
+    if not isinstance(tables, dict):
+        raise UserError(f"{config_path()}: `profiles` must be a table of [profiles.NAME] tables")
+    return {name: _profile(name, t, str(config_path())) for name, t in tables.items() if isinstance(t, dict)}
+
+
+def all_profiles(config: dict | None = None) -> dict[str, Profile]:
+    """Built-ins, then the user's (a user profile replaces a built-in of the same name)."""
+    return {**builtin_profiles(), **user_profiles(config)}
+
+
+def find(name: str, config: dict | None = None) -> Profile:
+    known = all_profiles(config)
+    if name in known:
+        return known[name]
+    raise UserError(f"unknown profile {name!r}; known profiles: {', '.join(sorted(known))} (or `none`)")
+
+
+def validate(config: dict | None = None) -> list[str]:
+    """Every problem in config.toml and the built-ins, one line each."""
+    config = read_config() if config is None else config
+    out = []
+    for name, p in builtin_profiles().items():
+        out += problems({**p.values, **p.meta}, f"built-in {name}")
+    where = str(config_path())
+    for key, value in config.items():
+        if key == "default_profile":
+            if not isinstance(value, str):
+                out.append(f"{where}: default_profile must be a string (got {value!r})")
+            elif value != "none" and value not in all_profiles(config):
+                out.append(f"{where}: default_profile {value!r} is not a known profile")
+        elif key == "profiles":
+            if not isinstance(value, dict):
+                out.append(f"{where}: profiles must be a table of [profiles.NAME] tables")
+                continue
+            for name, table in value.items():
+                if not isinstance(table, dict):
+                    out.append(f"{where}: profiles.{name} must be a table")
+                else:
+                    out += problems(table, f"{where}: profiles.{name}")
+        else:
+            out.append(f"{where}: unknown key {key!r}; known: default_profile, profiles")
+    return out
+
+
+# --- resolving settings -----------------------------------------------------------------------------------
+
+
+def env_name(key: str) -> str:
+    return f"LOCALCHAT_{key.upper()}"
+
+
+def _from_env(key: str, raw: str) -> Any:
+    kind, _ = SETTINGS[key]
+    if kind == "int":
+        try:
+            value = int(raw)
+        except ValueError:
+            raise UserError(f"{env_name(key)}: must be an integer (got {raw!r})") from None
+    else:
+        value = raw
+    wrong = check_value(key, value, SETTINGS[key])
+    if wrong:
+        raise UserError(f"{env_name(key)}: {wrong}")
+    return value
+
+
+@dataclass
+class Resolved:
+    values: dict[str, Any]  # settings that are set (the rest are auto-detected)
+    sources: dict[str, str]
+    profile: Profile | None
+    profile_source: str
+    warnings: list[str] = field(default_factory=list)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+
+def choose_profile(cli_name: str | None, env: dict, config: dict) -> tuple[Profile | None, str]:
+    """The profile in force and why: --profile, LOCALCHAT_PROFILE, default_profile, or none."""
+    for name, why in ((cli_name, "--profile"), (env.get("LOCALCHAT_PROFILE"), "LOCALCHAT_PROFILE"),
+                      (config.get("default_profile"), f"default_profile in {config_path()}")):
+        if name:
+            if name.lower() == "none":
+                return None, why
+            return find(name, config), why
+    return None, "no profile"
+
+
+def resolve(cli: dict[str, Any], profile_name: str | None = None, env: dict | None = None,
+            device=None) -> Resolved:
+    """Settings by precedence: `cli` (None = not given) > LOCALCHAT_* env > profile. `device` (a memory.Device)
+    turns on the warning for a profile made for another machine."""
+    env = os.environ if env is None else env
+    config = read_config()
+    profile, why = choose_profile(profile_name, env, config)
+    if profile is not None:
+        bad = problems({**profile.values, **profile.meta}, profile.where)
+        if bad:
+            raise UserError(bad[0])
+    values, sources = {}, {}
+    for key in SETTINGS:
+        if cli.get(key) is not None:
+            values[key], sources[key] = cli[key], "command line"
+        elif env.get(env_name(key)):
+            values[key], sources[key] = _from_env(key, env[env_name(key)]), env_name(key)
+        elif profile is not None and key in profile.values:
+            values[key], sources[key] = profile.values[key], profile.label
+    r = Resolved(values, sources, profile, why)
+    if profile is not None and device is not None:
+        mismatch = device_mismatch(profile, device)
+        if mismatch:
+            r.warnings.append(mismatch)
+    return r
+
+
+def device_mismatch(profile: Profile, device) -> str | None:
+    """A warning when `profile` was made for another device than `device` (a memory.Device)."""
+    fp = profile.meta.get("fingerprint")
+    if fp:
+        if fp != device.fingerprint:
+            return f"profile {profile.name} was tuned on [{fp}]; this machine is [{device.fingerprint}]"
+        return None
+    want = str(profile.meta.get("device", "")).strip()
+    if not want:
+        return None
+    if want.lower() == "cpu":
+        return None if device.kind == "cpu" else f"profile {profile.name} is for a CPU; this machine has {device.name}"
+    if device.kind != "cuda" or want.lower() not in device.name.lower():
+        size = f" ({profile.meta['memory_gb']} GB)" if "memory_gb" in profile.meta else ""
+        return f"profile {profile.name} is for an {want}{size}; this machine has {device.name}"
+    return None
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def profile_toml(name: str, table: dict) -> str:
+    """`[profiles.NAME]` with its scalars, then `[profiles.NAME.SUB]` for each sub-table."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise UserError(f"profile name {name!r}: use letters, digits, - and _ only")
+    lines = [f"[profiles.{name}]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    for k, sub in table.items():
+        if isinstance(sub, dict):
+            lines += ["", f"[profiles.{name}.{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in sub.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _drop_section(text: str, name: str) -> str:
+    """`text` without the [profiles.NAME] table and its sub-tables (other lines and comments kept)."""
+    out, skipping = [], False
+    header = re.compile(r"^\s*\[\s*([^\]]+?)\s*\]\s*(#.*)?$")
+    for line in text.splitlines(keepends=True):
+        m = header.match(line)
+        if m:
+            key = m.group(1).replace('"', "").replace("'", "")
+            skipping = key == f"profiles.{name}" or key.startswith(f"profiles.{name}.")
+        if not skipping:
+            out.append(line)
+    return "".join(out)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_profile(name: str, table: dict, make_default: bool = False) -> Path:
+    """Write [profiles.NAME] into config.toml (replacing an older one; the rest of the file is kept)."""
+    path = config_path()
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    config = _parse(text, str(path)) if text else {}
+    text = _drop_section(text, name).rstrip("\n")
+    if make_default and "default_profile" not in config:
+        text = f"default_profile = {_toml_value(name)}\n" + (("\n" + text) if text else "")
+    text = (text + "\n\n" if text.strip() else text) + profile_toml(name, table)
+    _parse(text, str(path))  # never write a file we could not read back
+    write_atomic(path, text)
+    return path
