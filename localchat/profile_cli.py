@@ -181,20 +181,45 @@ def _plan(args, quiet: bool = False) -> tuple[Plan, profiles.Resolved, Device]:
     return plan, r, device
 
 
-def run_plan(args) -> int:
-    baseline = None
-    if args.verify:
-        from localchat.engine.memory import rss_bytes
+def load_measured(args) -> tuple[object, int]:
+    """The engine as load_engine builds it, and the process RSS just before its weights load (after the
+    libraries, their CPU kernels and the tokenizer: those are the margin's job, not the memory model's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        baseline = rss_bytes()  # before the weights load: the CPU figure is the growth from here
+    from localchat.engine import loading
+    from localchat.engine.engine import Engine
+    from localchat.engine.memory import rss_bytes
+    from localchat.engine.policy_setup import policy_for
+
+    source, card = loading.resolve(args.model)
+    local = Path(source).is_dir()
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    device = loading.best_device()
+    dtype = loading.best_dtype(device)
+    x = torch.randn(1, 4, 64, 32, dtype=dtype, device=device)  # page in the kernels a forward uses
+    mask = torch.ones(64, 64, dtype=torch.bool, device=device).tril()
+    torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+    torch.nn.functional.silu(x @ x.transpose(-1, -2)).topk(8, dim=-1)
+    baseline = rss_bytes()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", local_files_only=local)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    engine = Engine(model, tokenizer, name=card.name if card else args.model or source, card=card, chunk=args.chunk,
+                    positions=args.positions)
+    engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
+                                 local=args.local, heads=getattr(args, "heads", None),
+                                 decode_window=getattr(args, "decode_window", None)), args.positions)
+    return engine, baseline
+
+
+def run_plan(args) -> int:
     plan, r, device = _plan(args)
     if args.verify:
-        from localchat import cli
-
         if plan.kind != device.kind or plan.memory_source.startswith("--memory-gb"):
             raise UserError("--verify measures this machine: drop --memory-gb, or use a profile for this device")
         args.budget, args.chunk = plan.budget, plan.chunk
-        engine = cli.load_engine(args)
+        engine, baseline = load_measured(args)
         plan = verify(engine, plan, baseline=baseline if device.kind == "cpu" else None)
     if args.json:
         print(json.dumps(plan_dict(plan), indent=2))
@@ -360,21 +385,17 @@ def measure_speed(engine, tokens: int, chunk: int, baseline: int | None = None) 
 
 
 def run_tune(args) -> int:
-    from localchat import cli
-    from localchat.engine.memory import rss_bytes
-
     chunks = sorted({int(c) for c in args.chunks.split(",") if c.strip()})
     if not chunks or min(chunks) < 1:
         raise UserError(f"--chunks needs positive sizes (got {args.chunks!r})")
     if args.tokens < max(chunks):
         raise UserError(f"--tokens ({args.tokens}) must be at least the largest chunk ({max(chunks)})")
-    baseline = rss_bytes()
     device = detect()
     args.profile = args.profile or "none"  # measure plain auto-detected settings unless a profile is named
     plan, r, _ = _plan(args)
     args.budget = plan.budget
     args.chunk = plan.chunk
-    engine = cli.load_engine(args)
+    engine, baseline = load_measured(args)
     window = engine.window if engine.compressing else None
     chunks = [c for c in chunks if not window or plan.budget + c < window]
     speeds, peaks = [], []

@@ -1,0 +1,179 @@
+"""Profiles: built-ins, config.toml, precedence (CLI > LOCALCHAT_* > profile > auto), validation, writing."""
+
+from __future__ import annotations
+
+import pytest
+
+from localchat import profiles
+from localchat.cli import main
+from localchat.engine.memory import GIB, Device
+from localchat.errors import UserError
+
+BUILTINS = {"rtx4090", "rtx3090", "rtx4080", "rtx4070", "rtx3060", "rtx4060", "a100-80gb", "h100-80gb", "cpu"}
+CPU = Device("cpu", "Test CPU", 16 * GIB, 8 * GIB)
+
+
+@pytest.fixture()
+def config(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path))
+    for key in [*profiles.SETTINGS, "profile"]:
+        monkeypatch.delenv(profiles.env_name(key), raising=False)
+    path = tmp_path / "config.toml"
+
+    def write(text: str):
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def test_builtins_are_all_there_and_valid(config):
+    found = profiles.builtin_profiles()
+    assert set(found) == BUILTINS
+    assert profiles.validate() == []
+    assert found["rtx4090"].meta["memory_gb"] == 24 and found["rtx4090"].values["weights"] == "nf4"
+    assert found["rtx4080"].meta["memory_gb"] == 16 and found["rtx4060"].meta["memory_gb"] == 8
+
+
+def test_precedence_cli_over_env_over_profile(config):
+    config('default_profile = "mine"\n[profiles.mine]\nbudget = 2048\nchunk = 256\nlocal = 50\npolicy = "h2o"\n')
+    env = {"LOCALCHAT_CHUNK": "384", "LOCALCHAT_LOCAL": "60"}
+    r = profiles.resolve({"local": 70}, env=env)
+    assert r.values == {"budget": 2048, "chunk": 384, "local": 70, "policy": "h2o"}
+    assert r.sources["local"] == "command line"
+    assert r.sources["chunk"] == "LOCALCHAT_CHUNK"
+    assert r.sources["budget"].startswith("profile mine")
+    assert "stabilizers" not in r.values  # left to the auto-detected layer (card / planner)
+    assert r.profile_source.startswith("default_profile")
+
+
+def test_profile_choice_order(config):
+    config('default_profile = "cpu"\n')
+    assert profiles.resolve({}, env={}).profile.name == "cpu"
+    assert profiles.resolve({}, env={"LOCALCHAT_PROFILE": "rtx4090"}).profile.name == "rtx4090"
+    assert profiles.resolve({}, "rtx4080", env={"LOCALCHAT_PROFILE": "rtx4090"}).profile.name == "rtx4080"
+    r = profiles.resolve({}, "none", env={"LOCALCHAT_PROFILE": "rtx4090"})
+    assert r.profile is None and r.values == {}
+
+
+def test_user_profile_replaces_a_builtin_of_the_same_name(config):
+    config("[profiles.cpu]\nbudget = 512\n")
+    p = profiles.find("cpu")
+    assert p.values == {"budget": 512} and p.origin.endswith("config.toml")
+
+
+def test_unknown_profile_lists_the_known_ones(config):
+    with pytest.raises(UserError, match=r"unknown profile 'rtx9090'; known profiles: a100-80gb, cpu, .*rtx4090"):
+        profiles.resolve({}, "rtx9090", env={})
+
+
+def test_malformed_toml_names_file_and_line(config):
+    path = config('default_profile = "cpu"\n[profiles.a]\nbudget = \n')
+    with pytest.raises(UserError) as e:
+        profiles.read_config()
+    assert str(path) in str(e.value) and "line 3" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_validate_one_line_per_problem(config):
+    config('default_profile = "ghost"\nshout = 1\n[profiles.a]\nbudget = 0\nchunk = "big"\npolicy = "zzz"\n'
+           'positions = "sideways"\nweights = "fp8"\nfoo = 1\n[profiles.b]\nbudget = 100\nstabilizers = 100\n')
+    bad = profiles.validate()
+    joined = "\n".join(bad)
+    assert "default_profile 'ghost' is not a known profile" in joined
+    assert "unknown key 'shout'" in joined
+    assert "profiles.a.budget: must be >= 1 (got 0)" in joined
+    assert "profiles.a.chunk: must be an integer >= 1 (got 'big')" in joined
+    assert "profiles.a.policy: must be one of" in joined
+    assert "profiles.a.positions: must be one of compact, original (got 'sideways')" in joined
+    assert "profiles.a.weights: must be one of" in joined
+    assert "profiles.a.foo: unknown setting" in joined
+    assert "profiles.b.stabilizers: must be below budget (100 >= 100)" in joined
+    assert len(bad) == 9 and all("\n" not in line for line in bad)
+
+
+def test_bad_env_value_is_an_error(config):
+    with pytest.raises(UserError, match="LOCALCHAT_BUDGET: must be an integer"):
+        profiles.resolve({}, env={"LOCALCHAT_BUDGET": "lots"})
+    with pytest.raises(UserError, match="LOCALCHAT_POSITIONS: must be one of"):
+        profiles.resolve({}, env={"LOCALCHAT_POSITIONS": "sideways"})
+
+
+def test_a_bad_profile_in_use_is_an_error(config):
+    config("[profiles.a]\nchunk = -4\n")
+    with pytest.raises(UserError, match=r"profiles\.a\.chunk: must be >= 1 \(got -4\)"):
+        profiles.resolve({}, "a", env={})
+
+
+def test_profile_for_another_device_warns(config):
+    r = profiles.resolve({}, "rtx4090", env={}, device=CPU)
+    assert r.warnings == ["profile rtx4090 is for an RTX 4090 (24 GB); this machine has Test CPU"]
+    gpu = Device("cuda", "NVIDIA GeForce RTX 4090", 24 * GIB, 23 * GIB, "8.9")
+    assert profiles.resolve({}, "rtx4090", env={}, device=gpu).warnings == []
+    assert profiles.resolve({}, "cpu", env={}, device=CPU).warnings == []
+    config(f'[profiles.t]\nfingerprint = "{gpu.fingerprint}"\nbudget = 64\n')
+    warn = profiles.resolve({}, "t", env={}, device=CPU).warnings
+    assert len(warn) == 1 and "was tuned on" in warn[0] and CPU.fingerprint in warn[0]
+    assert profiles.resolve({}, "t", env={}, device=gpu).warnings == []
+
+
+def test_save_profile_keeps_the_rest_and_replaces_the_old_one(config):
+    path = config('# my settings\n[profiles.keep]\nbudget = 300  # hand-tuned\n')
+    profiles.save_profile("tuned", {"budget": 100, "measured": {"chunks": [256, 512], "tokens_per_s": [1.5, 2.0]}},
+                          make_default=True)
+    profiles.save_profile("tuned", {"budget": 200, "measured": {"chunks": [512], "tokens_per_s": [3.0]}},
+                          make_default=True)
+    text = path.read_text()
+    assert "# my settings" in text and "hand-tuned" in text
+    assert text.count("[profiles.tuned]") == 1 and text.count("[profiles.tuned.measured]") == 1
+    data = profiles.read_config()
+    assert data["default_profile"] == "tuned"
+    assert data["profiles"]["tuned"] == {"budget": 200, "measured": {"chunks": [512], "tokens_per_s": [3.0]}}
+    assert data["profiles"]["keep"] == {"budget": 300}
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".config.toml")]  # no temp file left
+
+
+def test_save_profile_rejects_odd_names(config):
+    with pytest.raises(UserError, match="letters, digits"):
+        profiles.save_profile("a b]", {"budget": 1})
+
+
+# --- the command line --------------------------------------------------------------------------------------
+
+
+def test_profile_list_and_show(config, capsys):
+    config('[profiles.mine]\nchunk = 256\n')
+    assert main(["profile", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in BUILTINS | {"mine"})
+    assert main(["--chunk", "128", "profile", "show", "cpu"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line and not line.startswith(" ")}
+    assert "command line" in lines["chunk"] and "128" in lines["chunk"]
+    assert "profile cpu (built-in)" in lines["budget"]
+    assert main(["profile", "show", "--profile", "none"]) == 0
+    assert "auto-detected" in capsys.readouterr().out
+
+
+def test_profile_validate_exit_codes(config, capsys):
+    assert main(["profile", "validate"]) == 0
+    config("[profiles.a]\nbudget = 0\n")
+    assert main(["profile", "validate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "profiles.a.budget: must be >= 1" in err
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--profile", "nope", "profile", "show"], "unknown profile 'nope'; known profiles:"),
+    (["plan", "--profile", "nope"], "unknown profile 'nope'"),
+])
+def test_bad_profile_on_the_command_line(config, capsys, argv, text):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert text in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_malformed_config_exits_2_with_one_line(config, capsys):
+    config("[profiles.a\n")
+    assert main(["profile", "list"]) == 2
+    err = capsys.readouterr().err
+    assert "config.toml: malformed TOML" in err and "line 1" in err and err.count("\n") == 1
