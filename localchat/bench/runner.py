@@ -68,8 +68,8 @@ def check(config: BenchConfig) -> None:
     for length in config.lengths:
         if not MIN_LENGTH <= length <= MAX_LENGTH:
             raise UserError(f"length {length} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
-    if any(POLICIES[p].evicts for p in config.policies) and not config.budgets:
-        raise UserError("evicting policies need --budgets")
+    if any(POLICIES[p].evicts or POLICIES[p].selects for p in config.policies) and not config.budgets:
+        raise UserError("evicting (and selecting) policies need --budgets")
     for value, what in [*((b, "budget") for b in config.budgets), (config.n, "-n"),
                         (config.chunk, "--chunk"), (config.answer_tokens, "--answer-tokens")]:
         if value is not None and value < 1:
@@ -108,13 +108,14 @@ def plan(config: BenchConfig) -> list[Cell]:
     for task in config.tasks:
         for length in config.lengths:
             for policy in config.policies:
-                evicts = POLICIES[policy].evicts
-                for budget, turns in itertools.product(config.budgets if evicts else [None],
+                cls = POLICIES[policy]
+                evicts = cls.evicts
+                for budget, turns in itertools.product(config.budgets if evicts or cls.selects else [None],
                                                        (config.turns or [None]) if task == "multiturn" else [None]):
                     cells.append(Cell(
                         task=task, length=length, policy=policy, budget=budget, n=config.n, seed=config.seed,
                         model_spec=config.model, heads=config.heads if policy == "locret" else None, chunk=chunk,
-                        positions=config.positions or ("compact" if evicts else "original"),
+                        positions=config.positions or (cls.default_positions if evicts else "original"),
                         max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task], turns=turns,
                     ))
     return cells

@@ -49,7 +49,7 @@ class Engine:
 
     def set_policy(self, policy: Policy, positions: str | None = None) -> None:
         """Use `policy`; positions default to compact for evicting policies, original otherwise."""
-        positions = positions or ("compact" if policy.evicts else "original")
+        positions = positions or (policy.default_positions if policy.evicts else "original")
         if positions not in POSITION_MODES:
             raise UserError(f"unknown position mode {positions!r}; choose one of: {', '.join(POSITION_MODES)}")
         self.policy, self.positions = policy, positions
@@ -125,8 +125,7 @@ class Engine:
     def new_cache(self, prompt_tokens: int = 0, max_new: int = 0) -> KVCache:
         """An empty cache for the current policy, its first allocation sized for the expected peak."""
         p = self.policy
-        grow = min(max_new, 2 * p.decode_window) if p.decode_window else max_new
-        reserve = p.budget + self.chunk + p.local + grow if p.evicts else prompt_tokens + max_new
+        reserve = p.peak_units(prompt_tokens, self.chunk, max_new)
         inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
         return KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
                        inv_freq=inv_freq)
@@ -138,7 +137,7 @@ class Engine:
     @property
     def compressing(self) -> bool:
         """True when positions stay bounded by the budget (compact positions with an evicting policy)."""
-        return self.policy.evicts and self.positions == "compact"
+        return self.policy.evicts and self.policy.evict_per_chunk and self.positions == "compact"
 
     def _check_window(self, n_total: int) -> None:
         if not self.window:

@@ -46,9 +46,9 @@ def forward(model, cache: KVCache, ids: torch.Tensor, true_first: int) -> torch.
 
 
 def evict(cache: KVCache, policy: Policy, last_chunk: bool, recent: int = 0) -> bool:
-    """Keep the top-`budget` units per KV head of every layer (plus the `recent` newest), in temporal
-    order. True if it evicted."""
-    keep_n = policy.budget + recent
+    """Keep the top-`keep_size` (normally `budget`) units per KV head of every layer (plus the `recent`
+    newest), in temporal order. True if it evicted."""
+    keep_n = policy.keep_size(cache) + recent
     if cache.get_seq_length() <= keep_n:
         return False
     for i, layer in enumerate(cache.layers):
@@ -60,6 +60,8 @@ def evict(cache: KVCache, policy: Policy, last_chunk: bool, recent: int = 0) -> 
 
 def evict_while_decoding(cache: KVCache, policy: Policy) -> bool:
     """The decode-time option: at budget + 2·window units, keep the top-budget plus the newest window."""
+    if policy.evicts and policy.evict_each_step:  # SAGE-KV's rolling window, CORM's per-step rule
+        return evict(cache, policy, last_chunk=True)
     w = policy.decode_window
     if w <= 0 or not policy.evicts or cache.get_seq_length() < policy.budget + 2 * w:
         return False
@@ -139,11 +141,18 @@ def prefill(
             continue
         if policy is not None:
             policy.observe(cache, end - start, piece)
-        evicted = evicting and in_head and evict(cache, policy, last)
+        evicted = evicting and in_head and policy.evict_per_chunk and evict(cache, policy, last)
         if on_chunk is not None:
             on_chunk(ChunkReport(start, end, evicted, cache.get_seq_length()))
         elapsed = time.perf_counter() - t0
         tps = end / elapsed if elapsed > 0 else 0.0
         yield Progress(done=end, total=n, tokens_per_s=tps, eta_s=(n - end) / tps if tps > 0 else None)
         start = end
+    if policy is not None:
+        policy.prefill_done(cache)
+        if evicting and not policy.evict_per_chunk:  # one selection after the whole prompt (SAGE-KV)
+            evict(cache, policy, last_chunk=True)
+        note = policy.notice()
+        if note:
+            yield Notice(note)
     return logits

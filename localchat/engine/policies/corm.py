@@ -1,0 +1,136 @@
+"""CORM (Dai et al., 2024, "CORM: Cache Optimization with Recent Message for Large Language Model Inference";
+specs/corm.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localchat.engine.policies.attention_stats import Collector, StatsHook
+from localchat.engine.policies.base import PROTECT, Policy, follow, protect_recent
+
+
+@dataclass
+class Messages:
+    """Per layer: `rows` `[H_kv, ≤w, n]` bool (did recent query j find unit i important), positions `[H_kv, n]`."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+
+def important(probs: torch.Tensor, query_positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`[H_q, w, n]` probabilities of queries at true positions `[w]` -> `[H_kv, w, n]` bool:
+    p >= 1/t with t = position + 1 (the uncompressed length so far), OR over each KV head's query group."""
+    h_q, w, n = probs.shape
+    t = query_positions.to(probs.device).float() + 1
+    hit = probs >= (1.0 / t)[None, :, None]
+    return hit.reshape(kv_heads, h_q // kv_heads, w, n).any(dim=1)
+
+
+def wanted(rows: torch.Tensor, recent: int) -> torch.Tensor:
+    """`[H_kv, n]` bool: important to any of the recent queries, or among the `recent` newest keys."""
+    keep = rows.any(dim=1)
+    if recent > 0:
+        keep[:, -recent:] = True
+    return keep
+
+
+@dataclass
+class CORM(Policy):
+    """Keep the keys that any of the last `window` queries attended to at least uniformly, plus the `recent` newest.
+
+    Every forward, the last min(window, T) queries' fp32 softmax rows `[H_q, w, n]` (over the kept keys)
+    are thresholded at 1/t (t = the query's true position + 1) and OR-ed over each KV head's query group;
+    the last `window` such rows per unit form the message matrix `[H_kv, ≤w, n]`. Once `window` rows exist,
+    after every prefill chunk and every decoded token, a KV head wants the units marked in any row plus its
+    `recent` newest slots; nothing else. The cache stays rectangular: every head keeps the largest wanted
+    count over all layers and heads, capped at `budget` (heads that want fewer keep their next-best keys
+    by votes, then by their latest attention). When the cap binds, the keys with the fewest votes go, and a
+    notice says so after prefill. Positions stay absolute. Defaults: window w = 256 (the paper's "256+256"),
+    recent None = min(256, budget // 2) (the paper's r = 256, at most half the cap), budget 1024 as the cap,
+    local 96 (the engine's question tail).
+    """
+
+    name = "corm"
+    summary = "CORM: keep keys any of the last w queries found important (content-sized, capped by the budget)"
+    evict_each_step = True
+    default_positions = "original"
+    window: int = 256
+    recent: int | None = None
+
+    @property
+    def recent_size(self) -> int:
+        return min(256, self.budget // 2) if self.recent is None else self.recent
+
+    def attach(self, model, cache) -> None:
+        super().attach(model, cache)
+        if getattr(self, "cache_id", None) != id(cache) or cache.get_seq_length() == 0:
+            self.messages: dict[int, Messages] = {}  # kept across turns on one cache; realigned by position
+        self.cache_id = id(cache)
+        self.pending: dict[int, torch.Tensor] = {}
+        self.largest = 0  # the largest wanted count since the last notice
+        self.capped = 0  # evictions where the cap bound since the last notice
+        self.hook = StatsHook(model, Collector(self.window, self._collect))
+
+    def _collect(self, layer_idx: int, probs: torch.Tensor) -> None:
+        self.pending[layer_idx] = probs
+
+    def aligned(self, layer_idx: int, layer) -> Messages:
+        """The message matrix for the units held now (units it has no column for: never important)."""
+        now = layer.positions
+        m = self.messages.get(layer_idx)
+        if m is not None and m.positions.shape == now.shape and torch.equal(m.positions, now):
+            return m
+        if m is None:
+            rows = torch.zeros((now.shape[0], 0, now.shape[1]), dtype=torch.bool, device=now.device)
+        else:
+            idx, found = follow(m.positions.to(now.device), now)
+            old = m.rows.to(now.device)
+            rows = old.gather(2, idx[:, None, :].expand(-1, old.shape[1], -1)) & found[:, None, :]
+        m = Messages(rows, now.clone())
+        self.messages[layer_idx] = m
+        return m
+
+    def observe(self, cache, n_new, ids) -> None:
+        kv_heads = self.model.config.num_key_value_heads
+        for i, layer in enumerate(cache.layers):
+            probs = self.pending.pop(i)  # [H_q, w, n]
+            w = probs.shape[1]
+            m = self.aligned(i, layer)
+            hit = important(probs, layer.positions[0, -w:], kv_heads).to(m.rows.device)
+            m.rows = torch.cat([m.rows, hit], dim=1)[:, -self.window :]
+            latest = probs[:, -1].reshape(kv_heads, -1, probs.shape[-1]).amax(dim=1)
+            layer.scores.copy_(latest)
+
+    def keep_size(self, cache) -> int:
+        sizes = []
+        for i, layer in enumerate(cache.layers):
+            m = self.aligned(i, layer)
+            if m.rows.shape[1] < self.window:  # not enough observations yet: keep all (up to the cap)
+                sizes.append(layer.get_seq_length())
+            else:
+                sizes.append(int(wanted(m.rows, self.recent_size).sum(dim=-1).max()))
+        want = max(sizes)
+        self.largest = max(self.largest, want)
+        if want > self.budget:
+            self.capped += 1
+        return min(want, self.budget)
+
+    def priority(self, layer, layer_idx, last_chunk):
+        """Votes (how many recent queries found the key important) + its latest attention; recent protected."""
+        m = self.aligned(layer_idx, layer)
+        prio = m.rows.sum(dim=1).float() + layer.scores
+        return protect_recent(prio, self.recent_size)
+
+    def notice(self) -> str | None:
+        if not self.capped:
+            return None
+        note = (f"corm wanted up to {self.largest:,} units per KV head; capped at the budget of {self.budget:,} "
+                f"({self.capped} time{'s' if self.capped > 1 else ''})")
+        self.capped = self.largest = 0
+        return note
+
+    def detach(self) -> None:
+        self.hook.close()
+        self.pending = {}

@@ -1,0 +1,142 @@
+"""OmniKV (ICLR 2025 submission, "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs";
+details from the authors' code marked [code]; specs/omnikv.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from localchat.engine.heads import attention_modules
+from localchat.engine.policies.base import Policy
+
+OMNIKV_IMPL = "localchat_omnikv"
+_ATTR = "_localchat_omnikv"
+PAPER_FILTERS = (2, 8, 18)  # the paper's filter layers for Llama-3-8B (32 layers)
+PAPER_DEPTH = 32
+
+
+def filter_layers(depth: int) -> tuple[int, ...]:
+    """The paper's Llama-3-8B schedule {2, 8, 18} of 32 layers scaled to `depth`: round(f·depth/32) (half up),
+    clamped to [0, depth - 1], duplicates dropped. 30 layers (SmolLM2-135M): (2, 8, 17); 32: (2, 8, 18)."""
+    return tuple(sorted({min(depth - 1, int(f * depth / PAPER_DEPTH + 0.5)) for f in PAPER_FILTERS}))
+
+
+def layer_roles(depth: int, filters: tuple[int, ...]) -> list[str]:
+    """"dense" (before the first filter, or right after a filter), "filter", or "sparse" per layer."""
+    roles = []
+    for i in range(depth):
+        if i in filters:
+            roles.append("filter")
+        elif i < filters[0] or i - 1 in filters:
+            roles.append("dense")
+        else:
+            roles.append("sparse")
+    return roles
+
+
+def select_tokens(query: torch.Tensor, key: torch.Tensor, prompt: int, k: int, scaling: float,
+                  softmax: bool = True) -> torch.Tensor:
+    """One index set `[min(k, prompt)]` (ascending slots) shared by every head of the following layers.
+
+    `query` `[1, H_q, 1, d]` (the current token, post-RoPE), `key` `[1, H_kv, n, d]`; only the first `prompt`
+    slots are candidates. Score of a slot = max over all query heads of softmax(q·k·scaling) over the prompt
+    keys (the paper's eq. 3-4; `softmax=False`: the max of the raw scaled logits, the code's default).
+    """
+    h_q, h_kv, d = query.shape[1], key.shape[1], query.shape[-1]
+    q = query[0, :, -1].float().reshape(h_kv, h_q // h_kv, d)
+    logits = torch.einsum("hgd,hnd->hgn", q, key[0, :, :prompt].float()) * scaling  # [H_kv, G, prompt]
+    if softmax:
+        logits = logits.softmax(dim=-1)
+    score = logits.amax(dim=(0, 1))  # [prompt]
+    return score.topk(min(k, prompt)).indices.sort().values
+
+
+@dataclass
+class Selection:
+    """What one model's layers share during a decode step."""
+
+    roles: list[str]
+    budget: int
+    softmax: bool
+    prompt: int | None = None  # slots that are candidates (the cache length at the end of prefill); None: prefill
+    index: torch.Tensor | None = None  # [k] slots chosen by the latest filter layer
+
+
+def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA; while decoding, sparse layers attend to the latest selection plus every token after the prompt,
+    and filter layers choose the selection for the layers that follow."""
+    sel: Selection | None = getattr(module, _ATTR, None)
+    if sel is None or sel.prompt is None or query.shape[2] != 1:  # prefill: full attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    role = sel.roles[module.layer_idx]
+    if role == "sparse" and sel.index is not None:
+        tail = torch.arange(sel.prompt, key.shape[2], device=key.device)
+        idx = torch.cat([sel.index.to(key.device), tail])
+        key, value = key[:, :, idx], value[:, :, idx]
+        attention_mask = attention_mask[..., idx] if attention_mask is not None else None
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if role == "filter":
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        sel.index = select_tokens(query, key, sel.prompt, sel.budget, scale, sel.softmax)
+    return out
+
+
+AttentionInterface.register(OMNIKV_IMPL, omnikv_attention)
+AttentionMaskInterface.register(OMNIKV_IMPL, sdpa_mask)
+
+
+@dataclass
+class OmniKV(Policy):
+    """Keep the whole cache; at every decoded token, filter layers pick `budget` prompt tokens for the layers after them.
+
+    Roles per layer (0-based): layers before the first filter, the filter layers and the layer right after
+    each filter attend to the whole cache `[1, H_kv, n, d]`; every other ("sparse") layer attends only to
+    the `budget` prompt slots chosen by the nearest filter layer before it, plus every token after the
+    prompt (the answer so far, never subject to selection [code]). Selection: the current token's
+    post-RoPE query at a filter layer, softmax over the prompt keys per query head, max over all query heads,
+    top-`budget` (one set per layer for all heads; the "last" selector, |w| = 1). Prefill is full attention
+    (chunked, nothing dropped); positions stay absolute. In a chat the prompt is everything cached when the
+    answer starts. Defaults: budget 1024 (an absolute count, as in the paper's latency runs), filters None =
+    `filter_layers(depth)` (the paper's {2, 8, 18} of 32 scaled to the depth), softmax True (the paper;
+    False: the code's logit max). The CPU offload of the sparse layers' KV is not implemented.
+    """
+
+    name = "omnikv"
+    summary = "OmniKV: keep everything; filter layers pick the tokens later layers attend to, every step"
+    evicts = False
+    selects = True
+    local: int = 0
+    filters: tuple[int, ...] | None = None
+    softmax: bool = True
+
+    def schedule(self, depth: int) -> tuple[int, ...]:
+        return tuple(self.filters) if self.filters else filter_layers(depth)
+
+    def attach(self, model, cache) -> None:
+        from localchat.errors import UserError
+
+        super().attach(model, cache)
+        depth = model.config.num_hidden_layers
+        self.selection = Selection(layer_roles(depth, self.schedule(depth)), self.budget, self.softmax)
+        self.modules = attention_modules(model)
+        self.previous = model.config._attn_implementation
+        model.set_attn_implementation(OMNIKV_IMPL)
+        if model.config._attn_implementation != OMNIKV_IMPL:
+            raise UserError(f"{type(model).__name__} cannot switch its attention function; omnikv needs it")
+        for m in self.modules:
+            setattr(m, _ATTR, self.selection)
+
+    def prefill_done(self, cache) -> None:
+        self.selection.prompt = cache.get_seq_length()
+        self.selection.index = None
+
+    def detach(self) -> None:
+        for m in self.modules:
+            if hasattr(m, _ATTR):
+                delattr(m, _ATTR)
+        if self.model.config._attn_implementation != self.previous:
+            self.model.set_attn_implementation(self.previous)
