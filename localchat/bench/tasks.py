@@ -25,8 +25,9 @@ Tasks and scoring rules (`score(sample, output)`; needle numbers match only as w
 - doc_qa: 4 facts about invented organisations (founding year, town, director, colour, ...) planted in
   natural text; one question about the fact at `depth`. Correct when the fact's value appears
   (case and spacing ignored).
-- multiturn: a niah_single document in the first user turn, `turns` unrelated question/answer turns
-  with fixed short assistant answers, then the question. Scored as niah_single.
+- multiturn: a niah_single document in the first user turn, `turns` unrelated questions (default 9),
+  then the question. Scored as niah_single. `messages` holds the conversation with short reference
+  answers; the bench sends the user turns through a Session, so the model's own answers are kept.
 Documents go to the model the way the app lays them out: `render.user_turn(question, [document])`.
 """
 
