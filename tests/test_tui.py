@@ -229,14 +229,25 @@ def test_slash_commands(tiny_engine, tmp_path):
         await type_text(pilot, "/budget lots")
         assert "whole number" in errors(app)[-1]
         await type_text(pilot, "/profile")
-        assert "not available yet" in notes(app)[-1] and "chunk 64" in notes(app)[-1]
+        assert "chunk 64" in notes(app)[-1] and "rtx4090" in notes(app)[-1] and "profile: none" in notes(app)[-1]
+        from localchat import profiles
+
+        profiles.save_profile("small", {"policy": "streaming", "budget": 96, "chunk": 32, "weights": "fp32"})
+        await type_text(pilot, "/profile small")  # applies its policy, budget and chunk to this chat
+        assert (app.engine.policy.name, app.engine.policy.budget, app.engine.chunk) == ("streaming", 96, 32)
+        assert "profile small" in notes(app)[-1] and "Restart with --profile small for its weights" in notes(app)[-1]
+        await type_text(pilot, "/profile")
+        assert "profile: small" in notes(app)[-1]
+        await type_text(pilot, "/profile rtx9999")
+        assert "rtx9999" in errors(app)[-1] and "rtx4090" in errors(app)[-1]  # names the known ones
+        await type_text(pilot, "/policy streaming")
         await type_text(pilot, "/system Answer in French.")
         assert app.session.system == "Answer in French."
         await type_text(pilot, "bonjour")
         await settle(pilot)
         await type_text(pilot, f"/export {out}")
         assert "## You" in out.read_text() and "bonjour" in out.read_text()
-        assert len(errors(app)) == 4  # the four bad commands above, nothing else
+        assert len(errors(app)) == 5  # the five bad commands above, nothing else
         await type_text(pilot, "/clear")
         assert app.session.turns == 0 and users(app) == []
         await type_text(pilot, "/new")

@@ -27,6 +27,7 @@ class LocalChatApp(App):
         self.loader = loader
         self.settings = settings or GenerationSettings()
         self.policy_args = dict(policy_args or {})  # policy_for() keywords from the flags + positions
+        self.profile_name: str | None = None  # the device profile in force (/profile)
         self.max_bytes = max_bytes
         self.store_path = store_path
         self.memory_probe = memory_probe or device_memory
@@ -80,6 +81,32 @@ class LocalChatApp(App):
         if budget is not None:
             self.policy_args["budget"] = budget
 
+    def use_profile(self, name: str) -> str:
+        """Apply profile `name`'s policy, budget, n_s, n_loc, positions and chunk to this chat; returns
+        what changed (raises UserError for an unknown name or a bad value)."""
+        from localchat import profiles
+        from localchat.engine.policy_setup import policy_for
+
+        profile = profiles.find(name)
+        values = profile.values
+        args = dict(self.policy_args)
+        for key in ("budget", "stabilizers", "local", "positions"):
+            if key in values:
+                args[key] = values[key]
+        positions = args.pop("positions", None)
+        policy = policy_for(self.engine, values.get("policy", self.engine.policy.name), **args)
+        if "chunk" in values:
+            self.engine.chunk = int(values["chunk"])
+        self.session.set_policy(policy, positions)
+        self.policy_args = {**args, "positions": positions}
+        self.profile_name = profile.name
+        budget = f", budget {policy.budget:,}" if policy.evicts else ""
+        later = [k for k in ("model", "weights", "kv", "margin_mib") if k in values]
+        rest = f" Restart with --profile {profile.name} for its {', '.join(later)}." if later else ""
+        again = " The next question re-reads this chat once." if self.session.turns else ""
+        return (f"profile {profile.name}: policy {policy.name}{budget}, chunk {self.engine.chunk:,}, "
+                f"positions {self.engine.positions}.{again}{rest}")
+
     def fit_note(self, tokens: int) -> str:
         """What will happen to a document of `tokens` tokens: never drop tokens without saying so."""
         engine = self.engine
@@ -126,7 +153,14 @@ def run_tui(args, settings) -> int:
 
     policy_args = {"budget": args.budget, "stabilizers": args.stabilizers, "local": args.local,
                    "heads": args.heads, "decode_window": args.decode_window, "positions": args.positions}
-    app = LocalChatApp(loader=lambda: load_engine(args), settings=settings, policy_args=policy_args,
+    def load():
+        engine = load_engine(args)  # applies the profile and the plan to args
+        app.policy_args.update({k: getattr(args, k) for k in ("budget", "stabilizers", "local", "positions")})
+        resolved = getattr(args, "_resolved", None)
+        app.profile_name = resolved.profile.name if resolved is not None and resolved.profile else None
+        return engine
+
+    app = LocalChatApp(loader=load, settings=settings, policy_args=policy_args,
                        max_bytes=int(args.max_file_mb * 1024 * 1024))
     app.run()
     return 0

@@ -79,17 +79,30 @@ class CommandHandlers:
         self.refresh_status()
 
     async def cmd_profile(self, arg: str) -> None:
+        from localchat import profiles
+
+        known = ", ".join(profiles.all_profiles())
+        if arg:
+            if self.app.engine is None:
+                raise UserError("/profile NAME needs a loaded model; start with `localchat --profile NAME`")
+            self.note(self.app.use_profile(arg))
+            self.refresh_status()
+            return
         engine = self.app.engine
         if engine is None:
-            self.note("no model loaded; named device profiles are not available yet (issue #8)")
+            self.note(f"no model loaded yet. Profiles: {known}")
             return
         policy = engine.policy
         budget = f"{policy.budget:,}" if policy.evicts else "none (keeps everything)"
         settings = self.app.settings
-        self.note(f"model {engine.name} on {engine.device.type}; policy {policy.name}, budget {budget}, "
-                  f"chunk {engine.chunk:,}, positions {engine.positions}; answers up to "
-                  f"{settings.max_new_tokens} tokens, temperature {settings.temperature}. "
-                  f"Named device profiles are not available yet (issue #8); use the command-line flags.")
+        plan = getattr(engine, "plan", None)
+        lines = [f"model {engine.name} on {engine.device.type}; policy {policy.name}, budget {budget}, "
+                 f"chunk {engine.chunk:,}, positions {engine.positions}; answers up to "
+                 f"{settings.max_new_tokens} tokens, temperature {settings.temperature}.",
+                 f"profile: {self.app.profile_name or 'none'}. Profiles: {known} (/profile NAME applies one)."]
+        if plan is not None and hasattr(plan, "lines"):
+            lines += plan.lines()
+        self.note("\n".join(lines))
 
     async def cmd_system(self, arg: str) -> None:
         self.app.session.set_system(arg or None)
