@@ -38,6 +38,11 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--heads", default=d(None), help="retaining heads directory, or `random` (ablation)")
     p.add_argument("--profile", "-P", default=d(None), metavar="NAME",
                    help="device profile (`localchat profile list`), or `none`; default: config.toml's default_profile")
+    if "--weights" not in p._option_string_actions:  # plan / profile parsers add their own
+        p.add_argument("--weights", default=d(None), metavar="W",
+                       help="weights: fp32|bf16|fp16|int8|int4|nf4 (nf4: CUDA only; default: fp32 on CPU, bf16 on GPU)")
+        p.add_argument("--kv", default=d(None), metavar="Q",
+                       help="retained KV cache: none|int8|int4|int2 (quantized per unit; default none)")
     p.add_argument("--debug", action="store_true", default=d(False), help="show Python tracebacks")
 
 
@@ -89,9 +94,33 @@ def _check_flags(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < (1 if flag == "budget" else 0):
             raise UserError(f"--{flag.replace('_', '-')} must be {'at least 1' if flag == 'budget' else '>= 0'} (got {value})")
+    _check_quant_flags(args)
     if args.max_file_mb <= 0:
         raise UserError(f"--max-file-mb must be positive (got {args.max_file_mb})")
     _settings(args).validate()
+
+
+def _check_quant_flags(args) -> None:
+    from localchat.engine.qcache import KV_CHOICES, kv_bits
+    from localchat.engine.quantize import WEIGHTS
+
+    if getattr(args, "command", None) == "bench":  # comma-separated axes there, checked by bench
+        return
+    weights, kv = getattr(args, "weights", None), getattr(args, "kv", None)
+    if weights is not None and weights not in WEIGHTS:
+        raise UserError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+    if kv is not None:
+        try:
+            kv_bits(kv)
+        except ValueError:
+            raise UserError(f"unknown --kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}") from None
+
+
+def kv_choice(kv: str | None) -> str:
+    """The engine's --kv value: profiles may name the full-precision cache by its dtype (fp32/bf16/fp16)."""
+    from localchat.engine.qcache import kv_bits
+
+    return kv if kv_bits(kv) else "none"
 
 
 def load_engine(args):
@@ -101,7 +130,9 @@ def load_engine(args):
     from localchat.profile_cli import apply_profile, fit_engine
 
     apply_profile(args)  # CLI > LOCALCHAT_* > profile; the planner fills the rest
-    engine = Engine.load(args.model, chunk=args.chunk, positions=args.positions)
+    _check_quant_flags(args)  # values from the environment or a profile too
+    engine = Engine.load(args.model, chunk=args.chunk, positions=args.positions,
+                         weights=getattr(args, "weights", None), kv=kv_choice(getattr(args, "kv", None)))
     engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
                                  local=args.local, heads=args.heads, decode_window=args.decode_window),
                       args.positions)

@@ -154,7 +154,8 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
     return Request(
         budget=args.budget, chunk=args.chunk,
         local=args.local if args.local is not None else int(locret.get("local", 96)),
-        max_new=getattr(args, "max_new_tokens", 512), weights=weights, kv=args.kv or act, act=act,
+        max_new=getattr(args, "max_new_tokens", 512), weights=weights,
+        kv=args.kv if args.kv not in (None, "none") else act, act=act,
         d_r=d_r if policy in ("locret", None) else 0,
         margin=args.margin_mib * MIB if args.margin_mib is not None else None,
         target=locret.get("budget"), card_chunk=locret.get("chunk"),
@@ -172,10 +173,11 @@ def _plan(args, quiet: bool = False) -> tuple[Plan, profiles.Resolved, Device]:
     req = build_request(args, r, card, d_r, kind, measured)
     plan = make_plan(shape, memory, req, kind=kind, memory_source=source)
     if quantized(req.weights):
-        plan.notes.append(f"weights {req.weights}: planned; loading in 4/8-bit lands with the quantization issue "
-                          f"(#9), until then the model loads at {req.act}")
-    if req.kv != req.act:
-        plan.notes.append(f"KV cache {req.kv}: planned; quantized cache storage lands with #9")
+        plan.notes.append(f"weights {req.weights}: linear layers only (embeddings, lm_head and norms at 16 bits); "
+                          f"`--weights {req.weights}` loads them so")
+    if quantized(req.kv):
+        plan.notes.append(f"KV cache {req.kv}: retained units packed with a fp16 scale and zero per 64 values; "
+                          f"the newest chunk stays full precision until the next eviction")
     if r.profile is not None:
         plan.notes.insert(0, f"{r.profile.label} ({r.profile_source})")
     return plan, r, device
@@ -260,7 +262,7 @@ def fit_engine(engine, args) -> Plan | None:
     dtype = next(engine.model.parameters()).dtype
     act = {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16")
     req = Request(budget=args.budget, chunk=args.chunk, local=p.local, max_new=getattr(args, "max_new_tokens", 512),
-                  weights=act, kv=act, act=act, d_r=getattr(heads, "d_r", 0) if heads is not None else 0,
+                  weights=act, kv=engine.kv if getattr(engine, "kv", "none") != "none" else act, act=act, d_r=getattr(heads, "d_r", 0) if heads is not None else 0,
                   margin=args.margin_mib * MIB if getattr(args, "margin_mib", None) is not None else None,
                   target=p.budget, card_chunk=engine.chunk, compact=engine.positions == "compact",
                   weights_exact=weights)

@@ -20,7 +20,7 @@ from localchat.errors import UserError
 from localchat.toml import toml
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4", "int4")
-KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "int2")
+KV_DTYPES = ("none", "fp32", "bf16", "fp16", "int8", "int4", "int2")  # none / float: unquantized cache
 POSITIONS = ("compact", "original")
 
 

@@ -26,7 +26,7 @@ from localchat.errors import UserError
 
 FOLLOWUP_TOKENS = 8  # answer length of the earlier multiturn turns (the model's own answers are kept)
 KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
-              "max_new_tokens", "turns")
+              "max_new_tokens", "turns", "weights", "kv")
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,16 @@ class Cell:
     positions: str
     max_new_tokens: int
     turns: int | None = None  # multiturn: unrelated turns between the document and the question
+    weights: str | None = None  # --weights (None: the device's dtype)
+    kv: str | None = None  # --kv int8/int4/int2 (None: unquantized cache)
 
     def key(self, example: int) -> str:
         return json.dumps([*(getattr(self, f) for f in KEY_FIELDS), example])
 
     def label(self) -> str:
         budget = "" if self.budget is None else f" b={self.budget}"
-        return f"{self.task} {self.length} {self.policy}{budget}"
+        quant = "".join(f" {name}={v}" for name, v in (("weights", self.weights), ("kv", self.kv)) if v)
+        return f"{self.task} {self.length} {self.policy}{budget}{quant}"
 
 
 def row_key(row: dict) -> str:
@@ -78,7 +81,7 @@ def _stderr(line: str) -> None:
 def load_engine(cell: Cell):
     from localchat.engine.engine import Engine
 
-    return Engine.load(cell.model_spec, chunk=cell.chunk, say=_stderr)
+    return Engine.load(cell.model_spec, chunk=cell.chunk, say=_stderr, weights=cell.weights)
 
 
 def use_policy(engine, cell: Cell) -> None:
@@ -91,6 +94,7 @@ def use_policy(engine, cell: Cell) -> None:
         stabilizers = (engine.card.locret.get("stabilizers") if engine.card else None) or Locret.stabilizers
         stabilizers = stabilizers if stabilizers < cell.budget else cell.budget // 4
     heads = cell.heads if cell.policy == "locret" else None
+    engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
     engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, stabilizers=stabilizers, heads=heads),
                       cell.positions)
 

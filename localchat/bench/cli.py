@@ -45,6 +45,10 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--answer-tokens", type=int, default=None, help="answer length limit (default: per task)")
     bench.add_argument("--turns", default=None,
                        help="multiturn: unrelated turns between the document and the question, e.g. 0,3,9 (default 9)")
+    bench.add_argument("--weights", default=argparse.SUPPRESS,
+                       help="weight precisions, comma-separated (fp32,int8,int4,nf4,...; default: the device's dtype)")
+    bench.add_argument("--kv", default=argparse.SUPPRESS,
+                       help="KV cache quantization, comma-separated (none,int8,int4,int2; default none)")
     bench.add_argument("--in-process", action="store_true",
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
@@ -101,6 +105,9 @@ def _command(args, perf: bool) -> str:
             parts += ["--answer-tokens", str(args.answer_tokens)]
         if args.turns is not None:
             parts += ["--turns", args.turns]
+        for flag in ("weights", "kv"):
+            if getattr(args, flag, None):
+                parts += [f"--{flag}", getattr(args, flag)]
         if args.in_process:
             parts.append("--in-process")
     for flag in ("model", "heads", "chunk", "seed"):
@@ -108,6 +115,21 @@ def _command(args, perf: bool) -> str:
         if value is not None:
             parts += [f"--{flag}", str(value)]
     return shlex.join(parts)
+
+
+def _quant_axis(text: str | None, what: str) -> list[str | None]:
+    """`--weights` / `--kv` lists; `none` (kv) is the unquantized cache, stored as None so old rows still match."""
+    if not text:
+        return [None]
+    from localchat.engine.qcache import KV_CHOICES
+    from localchat.engine.quantize import WEIGHTS
+
+    known = WEIGHTS if what == "weights" else KV_CHOICES
+    values = parse_list(text, what)
+    for v in values:
+        if v not in known:
+            raise UserError(f"unknown --{what} {v!r}; choose from: {', '.join(known)}")
+    return [None if v == "none" else v for v in values]
 
 
 def _say(line: str) -> None:
@@ -134,6 +156,8 @@ def run(args) -> int:
         chunk=getattr(args, "chunk", None), positions=getattr(args, "positions", None),
         seed=getattr(args, "seed", 0) or 0, answer_tokens=args.answer_tokens, in_process=args.in_process,
         turns=_ints(args.turns, "turns") if args.turns is not None else None,
+        weights=_quant_axis(getattr(args, "weights", None), "weights"),
+        kv=_quant_axis(getattr(args, "kv", None), "kv"),
         command=_command(args, perf=False),
     )
     run_grid(config, say=_say)

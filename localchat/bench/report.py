@@ -36,6 +36,9 @@ def load_rows(directory: Path) -> list[dict]:
     for row in rows:  # LOCRET runs with different heads are different rows of every table
         if row["policy"] == "locret" and row.get("heads"):
             row["policy"] = f"locret[{Path(str(row['heads'])).name}]"
+        for name in ("weights", "kv"):  # quantized runs are rows of their own
+            if row.get(name):
+                row["policy"] += f" {name}={row[name]}"
         if row.get("turns") is not None:  # multiturn with a set number of unrelated turns
             row["task"] = f"{row['task']}[{row['turns']} turns]"
     return rows

@@ -44,6 +44,8 @@ class BenchConfig:
     answer_tokens: int | None = None  # None: each task's own limit (tasks.ANSWER_TOKENS)
     turns: list[int] | None = None  # multiturn only: unrelated turns (None: the task's default, 9)
     in_process: bool = False
+    weights: list[str | None] = field(default_factory=lambda: [None])  # --weights axis (None: device dtype)
+    kv: list[str | None] = field(default_factory=lambda: [None])  # --kv axis (None: unquantized)
     command: str = ""
     engines: dict = field(default_factory=dict, repr=False)  # in-process: loaded engines by (model, chunk)
 
@@ -110,13 +112,15 @@ def plan(config: BenchConfig) -> list[Cell]:
             for policy in config.policies:
                 cls = POLICIES[policy]
                 evicts = cls.evicts
-                for budget, turns in itertools.product(config.budgets if evicts or cls.selects else [None],
-                                                       (config.turns or [None]) if task == "multiturn" else [None]):
+                for budget, turns, weights, kv in itertools.product(
+                        config.budgets if evicts or cls.selects else [None],
+                        (config.turns or [None]) if task == "multiturn" else [None], config.weights, config.kv):
                     cells.append(Cell(
                         task=task, length=length, policy=policy, budget=budget, n=config.n, seed=config.seed,
                         model_spec=config.model, heads=config.heads if policy == "locret" else None, chunk=chunk,
                         positions=config.positions or (cls.default_positions if evicts else "original"),
                         max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task], turns=turns,
+                        weights=weights, kv=kv,
                     ))
     return cells
 
@@ -151,7 +155,7 @@ def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
         if not examples:
             continue
         if config.in_process:
-            key = (cell.model_spec, cell.chunk)
+            key = (cell.model_spec, cell.chunk, cell.weights)
             if key not in config.engines:
                 from localchat.bench.cell import load_engine
 

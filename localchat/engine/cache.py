@@ -176,6 +176,8 @@ class KVCache(Cache):
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Hold the units of `tensors()` output (copied in); layers missing from it stay empty."""
+        if "qk.0" in tensors:
+            raise KeyError("it holds a quantized cache (saved with --kv); load it with the same --kv")
         for i, layer in enumerate(self.layers):
             if f"k.{i}" in tensors:
                 layer.fill(*(tensors[f"{name}.{i}"] for name in "kvsp"))

@@ -18,6 +18,7 @@ from localchat.engine.cards import ModelCard
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Token
 from localchat.engine.policies import Policy, make_policy
+from localchat.engine.qcache import KV_CHOICES, QuantizedKVCache, kv_bits
 from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
 from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings, pick_token
@@ -29,8 +30,12 @@ END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<
 
 class Engine:
     def __init__(self, model, tokenizer, *, name: str = "model", card: ModelCard | None = None,
-                 chunk: int | None = None, policy: Policy | None = None, positions: str | None = None):
+                 chunk: int | None = None, policy: Policy | None = None, positions: str | None = None,
+                 kv: str | None = None):
         self.model = model
+        self.kv = kv or "none"  # retained units stored quantized: int8 / int4 / int2 (engine/qcache.py)
+        if self.kv not in KV_CHOICES:
+            raise UserError(f"unknown --kv {self.kv!r}; choose one of: {', '.join(KV_CHOICES)}")
         self.tokenizer = tokenizer
         self.name = name
         self.card = card
@@ -42,10 +47,11 @@ class Engine:
 
     @classmethod
     def load(cls, spec: str | None = None, *, chunk: int | None = None, device: torch.device | None = None,
-             policy: Policy | None = None, positions: str | None = None, say=loading._stderr) -> "Engine":
-        loaded = loading.load(spec, device=device, say=say)
+             policy: Policy | None = None, positions: str | None = None, say=loading._stderr,
+             weights: str | None = None, kv: str | None = None) -> "Engine":
+        loaded = loading.load(spec, device=device, say=say, weights=weights)
         return cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk,
-                   policy=policy, positions=positions)
+                   policy=policy, positions=positions, kv=kv)
 
     def set_policy(self, policy: Policy, positions: str | None = None) -> None:
         """Use `policy`; positions default to compact for evicting policies, original otherwise."""
@@ -127,6 +133,9 @@ class Engine:
         p = self.policy
         reserve = p.peak_units(prompt_tokens, self.chunk, max_new)
         inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
+        if self.kv != "none":
+            return QuantizedKVCache(self.model.config.num_hidden_layers, kv_bits(self.kv), reserve=reserve,
+                                    positions=self.positions, inv_freq=inv_freq)
         return KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
                        inv_freq=inv_freq)
 
@@ -211,5 +220,11 @@ class Engine:
         yield Done(
             text=decoder.text(), prompt_tokens=n, new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
             ttft_s=ttft, stop_reason=reason, kv_tokens=held, kv_bytes=cache.nbytes(),
-            kv_full_bytes=cache.nbytes() // max(held, 1) * (first_pos + n + max(new - 1, 0)),
+            kv_full_bytes=_unit_bytes(cache, held) * (first_pos + n + max(new - 1, 0)),
         )
+
+
+def _unit_bytes(cache: KVCache, held: int) -> int:
+    """Bytes of one unit (all layers) at full precision: a quantized cache says its own, else nbytes / held."""
+    full = getattr(cache, "full_unit_bytes", None)
+    return full() if full is not None else cache.nbytes() // max(held, 1)

@@ -63,25 +63,34 @@ def resolve(spec: str | None, say: Say = _stderr) -> tuple[str, ModelCard | None
 
 
 def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtype | None = None,
-         say: Say = _stderr) -> Loaded:
+         say: Say = _stderr, weights: str | None = None) -> Loaded:
+    """`weights`: fp32 / bf16 / fp16 / int8 / int4 / nf4 (engine/quantize.py); None = the device's dtype."""
+    from localchat.engine import quantize
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     source, card = resolve(spec, say)
     hf_logging.disable_progress_bar()  # a warm start prints nothing but the answer
     device = device or best_device()
-    dtype = dtype or best_dtype(device)
+    quantize.check(weights, device)
+    dtype = dtype or quantize.load_dtype(weights, best_dtype(device))
+    bnb = quantize.bnb_config(weights, device)
+    extra = {"quantization_config": bnb, "device_map": {"": device.index or 0}} if bnb is not None else {}
     local = Path(source).is_dir()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation="sdpa", local_files_only=local
+            source, dtype=dtype, attn_implementation="sdpa", local_files_only=local, **extra
         )
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model {spec}: {first}") from exc
     finally:
         hf_logging.enable_progress_bar()
-    model.to(device).eval()
+    if bnb is None:
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
+    quantize.quantize_after_load(model, weights, device)
     return Loaded(model=model, tokenizer=tokenizer, name=(card.name if card else spec or source), card=card)

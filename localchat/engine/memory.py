@@ -256,13 +256,11 @@ def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: 
 
 
 def model_bytes(model) -> int:
-    """Bytes of a loaded model's parameters and buffers (tied weights counted once)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+    """Bytes of a loaded model's parameters and buffers (tied weights counted once); quantized layers count
+    their packed data and scales (engine/quantize.py)."""
+    from localchat.engine.quantize import weight_bytes
+
+    return weight_bytes(model)
 
 
 # --- measuring ----------------------------------------------------------------------------------------

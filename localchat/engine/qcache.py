@@ -1,0 +1,368 @@
+"""The evicting KV cache with the retained units stored quantized (`--kv int8|int4|int2`).
+
+Layout per layer (H = KV heads, d = head_dim, G = group size, g = d / G groups per unit):
+  quantized part  `nq` oldest units: codes uint8 `[1, H, cap, d * bits / 8]` packed along head_dim, and per
+                  (unit, group) a scale and a zero point (fp16) `[1, H, cap, g]`, for keys and for values.
+  tail            the units added since the last eviction, full precision `[1, H, tcap, d]`.
+  scores/positions `[H, cap]` over all `n = nq + tail` units, as in KVLayer.
+
+Quantization is asymmetric per (unit, group over head_dim): code = round((x - zero) / scale), scale =
+(max - min) / (2^bits - 1), zero = min. Every row of codes, scales and zeros belongs to one unit, so an eviction
+gathers packed rows with their scales: the kept old units are never re-quantized. At an eviction the tail is
+quantized once (each unit exactly once) and gathered together with the old part.
+
+Why not optimum-quanto's own packed tensors: its PackedTensor packs rows i and i + rows/2 into one byte, so a
+gather along the token axis would have to unpack and repack. The codes come from quanto's `quantize_affine`
+op (grouped along the last axis); the scale/zero and the row-local packing are ours.
+
+Positions. `original`: keys keep the rotation of their true position and are stored as they come.
+`compact`: a key must sit at the RoPE position of its slot, which changes at each eviction. Quantized keys are
+stored un-rotated (RoPE position 0, i.e. the pre-RoPE key, as LOCRET's reference cache does) and rotated to
+their slots when attention reads them; an eviction is then a plain gather, never dequantize-rotate-requantize,
+so no error builds up over the many evictions of a long document.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localchat.engine.cache import KVCache, KVLayer
+
+KV_BITS = {"int8": 8, "int4": 4, "int2": 2}
+KV_CHOICES = ("none", *KV_BITS)
+GROUP = 64  # elements of head_dim per scale (fewer when head_dim is smaller)
+RESIDUAL = 128  # without an eviction, the tail is quantized once it holds this many units
+SCALE_DTYPE = torch.float16
+QUANT_KEYS = ("qk", "ks", "kz", "qv", "vs", "vz")  # tensors() names of the quantized part
+
+
+def kv_bits(kv: str | None) -> int:
+    """Bits of a `--kv` value; 0 for none (full precision). Raises ValueError for an unknown value."""
+    if kv in (None, "none", "fp32", "bf16", "fp16"):  # profiles name the full-precision cache by its dtype
+        return 0
+    if kv not in KV_BITS:
+        raise ValueError(f"unknown KV cache type {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
+    return KV_BITS[kv]
+
+
+def group_size(head_dim: int) -> int:
+    g = min(GROUP, head_dim)
+    while head_dim % g:
+        g //= 2
+    return g
+
+
+# --- quantize / pack ---------------------------------------------------------------------------------------
+
+
+def _affine_codes(x: torch.Tensor, bits: int, g: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """uint8 codes `[..., d]` of `x` `[..., d]` with `scale`/`zero` `[..., d/g]` (quanto's op when present)."""
+    flat = x.reshape(-1, g).float()
+    s, z = scale.reshape(-1, 1).float(), zero.reshape(-1, 1).float()
+    op = getattr(getattr(torch.ops, "quanto", None), "quantize_affine", None) if _quanto_ops() else None
+    if op is not None:
+        codes = op(flat, bits, 0, g, s, -z)
+    else:
+        codes = torch.round((flat - z) / s).clamp(0, 2**bits - 1).to(torch.uint8)
+    return codes.reshape(x.shape)
+
+
+_QUANTO: bool | None = None
+
+
+def _quanto_ops() -> bool:
+    global _QUANTO
+    if _QUANTO is None:
+        try:
+            import optimum.quanto.library  # noqa: F401 - registers torch.ops.quanto.*
+
+            _QUANTO = True
+        except Exception:  # noqa: BLE001 - the plain torch formula is the same
+            _QUANTO = False
+    return _QUANTO
+
+
+def quantize(x: torch.Tensor, bits: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`x` `[..., d]` -> (packed codes `[..., d*bits/8]` uint8, scale `[..., d/g]`, zero `[..., d/g]` fp16)."""
+    groups = x.float().reshape(*x.shape[:-1], -1, g)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / (2**bits - 1)).clamp_min(1e-6).to(SCALE_DTYPE)
+    zero = lo.to(SCALE_DTYPE)
+    return pack(_affine_codes(x, bits, g, scale, zero), bits), scale, zero
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, g: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize: `[..., d]` in `dtype` (computed in fp32)."""
+    codes = unpack(packed, bits).float()
+    x = codes.reshape(*codes.shape[:-1], -1, g) * scale.float()[..., None] + zero.float()[..., None]
+    return x.reshape(codes.shape).to(dtype)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes `[..., d]` (values < 2^bits) -> `[..., d*bits/8]`; byte j holds codes j*k .. j*k+k-1 (k = 8/bits)."""
+    if bits == 8:
+        return codes
+    k = 8 // bits
+    c = codes.reshape(*codes.shape[:-1], -1, k)
+    out = c[..., 0].clone()
+    for j in range(1, k):
+        out |= c[..., j] << (bits * j)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
+    k = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed[..., None] >> shifts) & (2**bits - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * k)
+
+
+def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half layout) of `keys` `[1, H, n, d]` with `cos`/`sin` `[n, d]` or `[H, n, d]`, in fp32."""
+    k = keys.float()
+    half = k.shape[-1] // 2
+    return k * cos + torch.cat([-k[..., half:], k[..., :half]], dim=-1) * sin
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[*positions.shape, d]` fp32 for integer `positions`."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device, torch.float32)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+# --- the layer -----------------------------------------------------------------------------------------
+
+
+class QuantizedKVLayer(KVLayer):
+    """A KVLayer whose old units are quantized (see the module doc). `update` returns full-precision K/V."""
+
+    def __init__(self, reserve: int = 0, bits: int = 4, residual: int = RESIDUAL):
+        super().__init__(reserve)
+        self.bits, self.residual = bits, residual
+        self.inv_freq: torch.Tensor | None = None  # set in compact mode: quantized keys are stored un-rotated
+        self.nq = 0
+        self._q: dict[str, torch.Tensor] | None = None  # QUANT_KEYS -> [1, H, cap, ...]
+        self._tk = self._tv = None  # [1, H, tcap, d]
+
+    @property
+    def nt(self) -> int:
+        return self.n - self.nq
+
+    # --- storage ---------------------------------------------------------------------------------------
+
+    def _grow_units(self, need: int, like: torch.Tensor) -> None:
+        """Room for `need` units in scores/positions and the quantized part."""
+        cap = 0 if self._s is None else self._s.shape[-1]
+        if need <= cap:
+            return
+        new_cap = max(need, self.reserve, int(cap * 1.5) + 64)
+        _, h, _, d = like.shape
+        g = group_size(d)
+        shapes = {"qk": d * self.bits // 8, "qv": d * self.bits // 8, "ks": d // g, "kz": d // g,
+                  "vs": d // g, "vz": d // g}
+        q = {name: torch.zeros((1, h, new_cap, w), device=like.device,
+                               dtype=torch.uint8 if name.startswith("q") else SCALE_DTYPE)
+             for name, w in shapes.items()}
+        s = torch.zeros((h, new_cap), dtype=torch.float32, device=like.device)
+        p = torch.zeros((h, new_cap), dtype=torch.long, device=like.device)
+        if self._s is not None:
+            for name in q:
+                q[name][:, :, : self.nq] = self._q[name][:, :, : self.nq]
+            s[:, : self.n] = self._s[:, : self.n]
+            p[:, : self.n] = self._p[:, : self.n]
+        self._q, self._s, self._p = q, s, p
+
+    def _grow_tail(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        cap = 0 if self._tk is None else self._tk.shape[-2]
+        if need <= cap:
+            return
+        new_cap = max(need, int(cap * 1.5) + 64)
+        tk = like_k.new_empty((1, like_k.shape[1], new_cap, like_k.shape[-1]))
+        tv = like_v.new_empty((1, like_v.shape[1], new_cap, like_v.shape[-1]))
+        if self.nt:
+            tk[:, :, : self.nt] = self._tk[:, :, : self.nt]
+            tv[:, :, : self.nt] = self._tv[:, :, : self.nt]
+        self._tk, self._tv = tk, tv
+
+    def _publish(self) -> None:
+        # `keys`/`values` are the full-precision tail only: the dequantized whole is built per forward and
+        # not kept, so the cache holds packed data between forwards.
+        if self._tk is not None:
+            self.keys, self.values = self._tk[:, :, : self.nt], self._tv[:, :, : self.nt]
+
+    def _quantize_tail(self) -> None:
+        """Move every tail unit into the quantized part (slots nq .. n-1), each quantized once."""
+        nt = self.nt
+        if nt == 0:
+            return
+        d = self._tk.shape[-1]
+        g = group_size(d)
+        keys = self._tk[:, :, :nt]
+        if self.inv_freq is not None:  # compact: store at RoPE position 0
+            cos, sin = rope_table(torch.arange(self.nq, self.n, device=keys.device), self.inv_freq)
+            keys = _rotate(keys, cos, -sin)  # the inverse rotation
+        for (qn, sn, zn), x in ((("qk", "ks", "kz"), keys), (("qv", "vs", "vz"), self._tv[:, :, :nt])):
+            codes, scale, zero = quantize(x, self.bits, g)
+            self._q[qn][:, :, self.nq : self.n] = codes
+            self._q[sn][:, :, self.nq : self.n] = scale
+            self._q[zn][:, :, self.nq : self.n] = zero
+        self.nq = self.n
+        self._publish()
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The quantized part as full-precision keys, values `[1, H, nq, d]` (keys at their slots in compact mode)."""
+        dtype = dtype or self.dtype
+        d = self._tk.shape[-1] if self._tk is not None else self._q["qk"].shape[-1] * 8 // self.bits
+        g = group_size(d)
+        q = {name: t[:, :, : self.nq] for name, t in self._q.items()}
+        keys = dequantize(q["qk"], q["ks"], q["kz"], self.bits, g, torch.float32)
+        if self.inv_freq is not None:
+            cos, sin = rope_table(torch.arange(self.nq, device=keys.device), self.inv_freq)
+            keys = _rotate(keys, cos, sin)
+        values = dequantize(q["qv"], q["vs"], q["vz"], self.bits, g, dtype)
+        return keys.to(dtype), values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.nt >= self.residual and self.nt > 0:  # no eviction came: bound the full-precision tail
+            self._quantize_tail()
+        t = key_states.shape[-2]
+        self._grow_units(self.n + t, key_states)
+        self._grow_tail(self.nt + t, key_states, value_states)
+        self._tk[:, :, self.nt : self.nt + t] = key_states
+        self._tv[:, :, self.nt : self.nt + t] = value_states
+        end = self.n + t
+        self._s[:, self.n : end] = 0.0
+        pos = self.pending_positions
+        self._p[:, self.n : end] = pos if pos is not None else torch.arange(self.n, end, device=self._p.device)
+        self.n = end
+        self._publish()
+        if self.nq == 0:
+            return self.keys, self.values
+        old_k, old_v = self.dequantized(key_states.dtype)
+        return torch.cat([old_k, self.keys], dim=-2), torch.cat([old_v, self.values], dim=-2)
+
+    # --- eviction ------------------------------------------------------------------------------------------
+
+    def keep(self, idx: torch.Tensor, inv_freq: torch.Tensor | None = None) -> None:
+        """Keep units `idx` (`[H_kv, k]`, ascending per head): the tail is quantized, then packed rows, scales
+        and zeros are gathered. In compact mode the stored keys are un-rotated, so no re-rotation is needed."""
+        self.inv_freq = inv_freq
+        self._quantize_tail()
+        k = idx.shape[-1]
+        for name, t in self._q.items():
+            rows = torch.gather(t[:, :, : self.n], 2, idx[None, :, :, None].expand(-1, -1, -1, t.shape[-1]))
+            t[:, :, :k] = rows
+        self._s[:, :k] = torch.gather(self.scores, 1, idx)
+        self._p[:, :k] = torch.gather(self.positions, 1, idx)
+        self.n = self.nq = k
+        self._publish()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+        self.n = max(0, self.n + tokens_to_remove)
+        self.nq = min(self.nq, self.n)
+        self._publish()
+
+    def reset(self) -> None:
+        self._q = self._tk = self._tv = None
+        self.nq = 0
+        super().reset()
+
+    # --- snapshots -----------------------------------------------------------------------------------------
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Quantized part (QUANT_KEYS, `[1, H, nq, ...]`), tail `tk`/`tv` `[1, H, nt, d]`, scores and positions."""
+        if self._s is None:
+            return {}
+        out = {name: t[:, :, : self.nq] for name, t in self._q.items()}
+        tk = self._tk[:, :, : self.nt] if self._tk is not None else None
+        if tk is None:  # the tail was never allocated: an empty one of the right shape
+            d = self._q["qk"].shape[-1] * 8 // self.bits
+            tk = torch.empty((1, self._q["qk"].shape[1], 0, d), device=self._s.device)
+        out.update(tk=tk, tv=self._tv[:, :, : self.nt] if self._tv is not None else tk,
+                   s=self.scores, p=self.positions)
+        return out
+
+    def fill_quantized(self, t: dict[str, torch.Tensor]) -> None:
+        """Hold exactly the units of `tensors()` output (copied in)."""
+        self.reset()
+        tk, tv = t["tk"], t["tv"]
+        self.lazy_initialization(tk, tv)
+        nq, nt = t["qk"].shape[-2], tk.shape[-2]
+        self._grow_units(nq + nt, tk)
+        self._grow_tail(nt, tk, tv)
+        for name in QUANT_KEYS:
+            self._q[name][:, :, :nq] = t[name]
+        self.nq, self.n = nq, nq + nt
+        self._tk[:, :, :nt], self._tv[:, :, :nt] = tk, tv
+        self._s[:, : self.n], self._p[:, : self.n] = t["s"], t["p"]
+        self._publish()
+
+    def fill(self, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+        """Hold full-precision units (a cache saved without --kv): they enter as the tail, then are quantized."""
+        self.reset()
+        self.lazy_initialization(k, v)
+        n = k.shape[-2]
+        self._grow_units(n, k)
+        self._grow_tail(n, k, v)
+        self._tk[:, :, :n], self._tv[:, :, :n] = k, v
+        self._s[:, :n], self._p[:, :n] = s, p
+        self.n = n
+        self._quantize_tail()
+
+    def nbytes(self) -> int:
+        """Bytes of the units held: packed codes + scales + zeros of the quantized part, plus the tail."""
+        if self._s is None:
+            return 0
+        quant = sum(t[:, :, :1].numel() * t.element_size() for t in self._q.values()) * self.nq
+        tail = 0 if self._tk is None else self.nt * self._tk.shape[1] * self._tk.shape[-1] * (
+            self._tk.element_size() + self._tv.element_size())
+        return quant + tail
+
+
+class QuantizedKVCache(KVCache):
+    """KVCache whose layers are QuantizedKVLayer with `bits` (8, 4 or 2)."""
+
+    def __init__(self, num_layers: int, bits: int, reserve: int = 0, positions: str = "original", inv_freq=None,
+                 residual: int = RESIDUAL):
+        super().__init__(num_layers, reserve=reserve, positions=positions, inv_freq=inv_freq)
+        self.bits, self.residual = bits, residual
+        self.layers = [QuantizedKVLayer(reserve, bits, residual) for _ in range(num_layers)]
+        for layer in self.layers:
+            layer.inv_freq = inv_freq if positions == "compact" else None
+
+    def full_unit_bytes(self) -> int:
+        """Bytes one unit would take across all layers unquantized (for the compression figure)."""
+        total = 0
+        for layer in self.layers:
+            if layer._q is not None:
+                h, d = layer._q["qk"].shape[1], layer._q["qk"].shape[-1] * 8 // self.bits
+                total += 2 * h * d * torch.empty((), dtype=layer.dtype).element_size()
+        return total
+
+    def keep(self, layer_idx: int, idx: torch.Tensor) -> None:
+        self.layers[layer_idx].keep(idx, self.inv_freq if self.positions == "compact" else None)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Quantized `tensors()` output, or a full-precision cache's (quantized on the way in)."""
+        for i, layer in enumerate(self.layers):
+            if f"qk.{i}" in tensors:
+                layer.fill_quantized({name: tensors[f"{name}.{i}"] for name in (*QUANT_KEYS, "tk", "tv", "s", "p")})
+            elif f"k.{i}" in tensors:
+                layer.fill(*(tensors[f"{name}.{i}"] for name in "kvsp"))
+            else:
+                layer.reset()
+            layer.inv_freq = self.inv_freq if self.positions == "compact" else None
+
+    def clone(self) -> "QuantizedKVCache":
+        copy = QuantizedKVCache(len(self.layers), self.bits, reserve=self.layers[0].reserve,
+                                positions=self.positions, inv_freq=self.inv_freq, residual=self.residual)
+        copy.load_tensors(self.tensors())
+        return copy

@@ -1,0 +1,97 @@
+"""Weight precision: `--weights nf4|int8|int4|bf16|fp16|fp32`.
+
+  fp32 / bf16 / fp16  the model loads at that dtype.
+  nf4                 CUDA only: bitsandbytes NF4 with double quantization and bf16 compute (at load time).
+  int8                CUDA: bitsandbytes LLM.int8(); CPU: optimum-quanto int8 (per output channel).
+  int4                optimum-quanto int4 (quanto's default groups of 128 weights, scale + shift), CPU or CUDA.
+
+Only the decoder's linear layers are quantized: embeddings, lm_head (often tied to the embeddings) and the
+norms stay at the activation dtype, and the retaining heads are separate modules left untouched. A GGUF source
+is dequantized by transformers at conversion and re-quantized here by our choice, not kept in its own format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localchat.errors import UserError
+
+WEIGHTS = ("fp32", "bf16", "fp16", "int8", "int4", "nf4")
+FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KEEP = ["lm_head"]  # linear layers left unquantized (embeddings are not linear layers)
+
+
+def check(weights: str | None, device: torch.device) -> None:
+    """A UserError naming the problem for an unknown value or nf4 without CUDA."""
+    if weights is None:
+        return
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+    if weights == "nf4" and device.type != "cuda":
+        raise UserError("--weights nf4 needs a CUDA GPU (bitsandbytes); on this CPU use --weights int4 or int8")
+
+
+def load_dtype(weights: str | None, default: torch.dtype) -> torch.dtype:
+    """The dtype from_pretrained loads at: the float choice, else the activation dtype of the device."""
+    return FLOAT.get(weights or "", default)
+
+
+def bnb_config(weights: str | None, device: torch.device):
+    """transformers' BitsAndBytesConfig for nf4 / CUDA int8, else None (untested here: no GPU in CI)."""
+    if device.type != "cuda" or weights not in ("nf4", "int8"):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if weights == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=KEEP)
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=KEEP)
+
+
+def quantize_after_load(model, weights: str | None, device: torch.device) -> None:
+    """optimum-quanto int8 (CPU) / int4 (any device) on a loaded model, in place; frozen (packed) weights."""
+    if weights not in ("int8", "int4") or (weights == "int8" and device.type == "cuda"):
+        return
+    from optimum.quanto import freeze, qint4, qint8, quantize
+
+    with torch.inference_mode():  # frozen here, quanto's packed int4 tensors also work under inference_mode
+        quantize(model, weights=qint4 if weights == "int4" else qint8, exclude=KEEP)
+        freeze(model)
+
+
+def weight_bytes(model) -> int:
+    """Real bytes of the parameters and buffers: packed data + scales for quantized layers (tied tensors once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        for part in _storage_parts(t):
+            if part.data_ptr() in seen:
+                continue
+            seen.add(part.data_ptr())
+            total += part.numel() * part.element_size()
+    return total
+
+
+def _storage_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors behind `t`: itself, or a quanto / bitsandbytes tensor's data and scales."""
+    inner = getattr(t, "__tensor_flatten__", None)
+    if inner is not None:  # quanto QTensor subclasses (packed data, scale, shift)
+        names, _ = inner()
+        parts = []
+        for name in names:
+            parts.extend(_storage_parts(getattr(t, name)))
+        return parts
+    parts = [t]
+    state = getattr(t, "quant_state", None)  # bitsandbytes Params4bit: absmax (and nested) scales
+    if state is not None:
+        for name in ("absmax", "code"):
+            value = getattr(state, name, None)
+            if isinstance(value, torch.Tensor):
+                parts.append(value)
+        nested = getattr(state, "state2", None)
+        if nested is not None and isinstance(getattr(nested, "absmax", None), torch.Tensor):
+            parts.append(nested.absmax)
+    scb = getattr(t, "SCB", None)  # bitsandbytes Int8Params row scales
+    if isinstance(scb, torch.Tensor):
+        parts.append(scb)
+    return parts
