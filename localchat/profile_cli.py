@@ -247,13 +247,14 @@ def plan_dict(plan: Plan) -> dict:
 
 def fit_engine(engine, args) -> Plan | None:
     """After loading: shrink an automatic budget (and chunk) that do not fit the free memory; a budget or chunk
-    the user fixed that cannot fit is an error saying what would. Returns the plan (None: not evicting)."""
+    the user fixed that cannot fit is an error saying what would. Returns the plan (None: not evicting, or a
+    policy whose prefill holds the whole cache, SAGE-KV: the budget does not bound its memory, the document does)."""
     import torch
 
     from localchat.engine.memory import model_bytes
 
     p = engine.policy
-    if not p.evicts:
+    if not p.evicts or not p.evict_per_chunk:
         return None
     device = detect("cuda" if engine.device.type == "cuda" else "cpu")
     weights = model_bytes(engine.model)
