@@ -105,7 +105,7 @@ def test_plan_rtx4090_llama_fits_a_128k_document(capsys):
     assert main(["plan", "--profile", "rtx4090", "--model", LLAMA]) == 0
     out, err = capsys.readouterr()
     assert "(fits)" in out and "128K-token document fits" in out and "nf4" in out
-    assert "loading in 4/8-bit lands with the quantization issue" in out
+    assert "`--weights nf4` loads them so" in out
     assert "budget       16,384" in out and "chunk        4,096" in out
     if not torch.cuda.is_available():
         assert "is for an RTX 4090" in err  # planned for the profile's GPU, with a warning
