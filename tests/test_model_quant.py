@@ -1,0 +1,44 @@
+"""SmolLM2 with a quantized retained cache and 4-bit weights (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from localchat.bench.tasks import make_sample, prompt_messages, score
+from localchat.engine.engine import Engine
+from localchat.engine.events import Done
+from localchat.engine.policy_setup import policy_for
+from localchat.engine.sampling import GenerationSettings
+
+pytestmark = pytest.mark.model
+
+
+def _answer(engine, messages, n=12) -> Done:
+    *_, done = engine.chat(messages, GenerationSettings(max_new_tokens=n))
+    assert isinstance(done, Done), done
+    return done
+
+
+@pytest.mark.slow  # four 1K-token reads: about a minute on a shared CPU
+def test_int8_kv_scores_like_no_kv_quantization_on_passkeys(smollm2):
+    engine = smollm2
+    engine.set_policy(policy_for(engine, "locret", budget=256, stabilizers=64))
+    samples = [make_sample("passkey", engine.tokenizer, 1000, seed, depth) for seed, depth in ((1, 0.3), (2, 0.7))]
+    results = {}
+    try:
+        for kv in ("none", "int8"):
+            engine.kv = kv
+            results[kv] = [_answer(engine, prompt_messages(s)) for s in samples]
+    finally:
+        engine.kv = "none"
+    right = {kv: [bool(score(s, d.text)) for s, d in zip(samples, done)] for kv, done in results.items()}
+    assert right["int8"] == right["none"] and any(right["none"])  # the same passkeys found
+    for a, b in zip(results["none"], results["int8"]):
+        assert b.kv_tokens == a.kv_tokens and b.kv_bytes < 0.55 * a.kv_bytes  # the local tail and answer stay fp32
+
+
+def test_int4_weights_load_and_answer_on_cpu():
+    engine = Engine.load(None, weights="int4")
+    assert type(engine.model.model.layers[0].self_attn.q_proj).__name__ == "QLinear"
+    done = _answer(engine, [{"role": "user", "content": "What is the capital of France?"}], n=8)
+    assert "Paris" in done.text
