@@ -72,6 +72,7 @@ def fingerprint(engine) -> str:
         "model": engine.name, "config": engine.model.config.to_json_string(use_diff=False),
         "dtype": str(next(engine.model.parameters()).dtype), "policy": p.name, "settings": settings,
         "heads": _heads_hash(getattr(p, "heads", None)), "chunk": engine.chunk, "positions": engine.positions,
+        "kv": getattr(engine, "kv", "none"), "weights": getattr(engine, "weights", None),
         "torch": torch.__version__, "transformers": transformers.__version__, "localchat": __version__,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()

@@ -185,3 +185,13 @@ def test_cli_session_continues_across_runs(tmp_path_factory, tmp_path, capsys):
     listing = capsys.readouterr().out
     assert "work" in listing and "What is the code word?" in listing
     assert main(["sessions", "--delete", "work"]) == 0 and main(["sessions", "--delete", "work"]) == 2
+
+
+def test_a_cache_saved_with_another_kv_format_is_reread_not_misread(engine, tmp_path):
+    store = Store(tmp_path / "q.sqlite3")
+    store.save(_chat(engine, tmp_path), "x")
+    engine.kv = "int8"  # the same model and policy, but the retained cache is now stored quantized
+    reopened, notices = store.load("x", engine)
+    assert len(notices) == 1 and "another model, policy" in notices[0]
+    evs, _, done = _answer(reopened.send("Next?", (), SETTINGS))
+    assert isinstance(evs[0], Notice) and isinstance(done, Done)

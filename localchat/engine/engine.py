@@ -33,6 +33,7 @@ class Engine:
                  chunk: int | None = None, policy: Policy | None = None, positions: str | None = None,
                  kv: str | None = None):
         self.model = model
+        self.weights: str | None = None  # the --weights the model was loaded with (None: as stored)
         self.kv = kv or "none"  # retained units stored quantized: int8 / int4 / int2 (engine/qcache.py)
         if self.kv not in KV_CHOICES:
             raise UserError(f"unknown --kv {self.kv!r}; choose one of: {', '.join(KV_CHOICES)}")
@@ -50,8 +51,10 @@ class Engine:
              policy: Policy | None = None, positions: str | None = None, say=loading._stderr,
              weights: str | None = None, kv: str | None = None) -> "Engine":
         loaded = loading.load(spec, device=device, say=say, weights=weights)
-        return cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk,
-                   policy=policy, positions=positions, kv=kv)
+        engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk,
+                     policy=policy, positions=positions, kv=kv)
+        engine.weights = weights
+        return engine
 
     def set_policy(self, policy: Policy, positions: str | None = None) -> None:
         """Use `policy`; positions default to compact for evicting policies, original otherwise."""
