@@ -8,6 +8,7 @@ need matplotlib (the `plot` extra); without it only report.md is written, with a
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -202,7 +203,8 @@ def _accuracy_plot(plt, rows: list[dict], task: str, directory: Path) -> Path:
     ax.set(title=f"{task}: accuracy vs budget", xlabel="budget (units per KV head per layer)", ylabel="accuracy",
            ylim=(-0.05, 1.05))
     ax.legend(fontsize=7)
-    return _save(plt, fig, directory / f"accuracy-{task}.png")
+    safe = re.sub(r"[^\w.-]+", "-", task).strip("-")  # multiturn[9 turns] -> multiturn-9-turns
+    return _save(plt, fig, directory / f"accuracy-{safe}.png")
 
 
 def _time_memory_plot(plt, rows: list[dict], directory: Path) -> Path:
