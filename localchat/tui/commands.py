@@ -12,7 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "new": ("", "start a new chat"),
     "policy": ("NAME", "switch the KV-cache policy (re-reads the chat once)"),
     "budget": ("N", "units kept per KV head per layer (re-reads the chat once)"),
-    "profile": ("", "show the current model and cache settings"),
+    "profile": ("[NAME]", "show the settings and memory plan, or apply profile NAME"),
     "system": ("[TEXT]", "set the system prompt (no TEXT: remove it)"),
     "export": ("[PATH]", "write the chat as markdown"),
     "clear": ("", "empty this chat and its cache"),
