@@ -259,19 +259,24 @@ def load_document(path: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYT
     return Document(p.resolve(), p.name, kind, text, sha256=digest, n_bytes=len(data))
 
 
-def parse_path_input(s: str) -> str | None:
-    """If `s` is one pasted file path (quoted, backslash-escaped, file:// URL or plain,
-    `~` allowed) naming an existing file, return the plain path; else None."""
+def single_token(s: str) -> str | None:
+    """`s` as one shell word with quoting and backslash escapes undone; None if it is not one word."""
     s = s.strip()
     if not s or "\n" in s:
         return None
     try:
-        tokens = shlex.split(s)  # undoes quoting and backslash escapes
+        tokens = shlex.split(s)
     except ValueError:
         return None
-    if len(tokens) != 1:
+    return tokens[0] if len(tokens) == 1 else None
+
+
+def parse_path_input(s: str) -> str | None:
+    """If `s` is one pasted file path (quoted, backslash-escaped, file:// URL or plain,
+    `~` allowed) naming an existing file, return the plain path; else None."""
+    cand = single_token(s)
+    if cand is None:
         return None
-    cand = tokens[0]
     if cand.lower().startswith("file:"):
         url = urlsplit(cand)
         if url.netloc not in ("", "localhost"):

@@ -10,22 +10,8 @@ from localchat.engine.policies import make_policy
 from localchat.tui.widgets.chat_list import ChatList
 from localchat.tui.widgets.progress import PrefillProgress
 from localchat.tui.widgets.retained import RetainedMap
-from tui_helpers import (answers, chips, errors, key, make_app, notes, paste, run, settle, status, type_text, users,
-                         wait_for)
-
-
-def record_events(app):
-    """Wrap the session's send to keep every engine event it streams to the screen."""
-    seen = []
-    send = app.session.send
-
-    def spy(*args, **kw):
-        for event in send(*args, **kw):
-            seen.append(event)
-            yield event
-
-    app.session.send = spy
-    return seen
+from tui_helpers import (answers, chips, errors, key, make_app, notes, paste, record_events, run, settle, status,
+                         type_text, users, wait_for)
 
 
 def doc(tmp_path, name="notes.txt", size=3000) -> Path:

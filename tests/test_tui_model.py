@@ -9,7 +9,7 @@ from localchat.bench.tasks import passkey
 from localchat.engine.events import Done, Progress
 from localchat.engine.sampling import GenerationSettings
 from localchat.tui.widgets.progress import PrefillProgress
-from tui_helpers import answers, chips, make_app, paste, run, settle, type_text, wait_for
+from tui_helpers import answers, chips, make_app, paste, record_events, run, settle, type_text, wait_for
 
 
 @pytest.mark.model
@@ -24,15 +24,7 @@ def test_twenty_thousand_token_pass_key_and_a_follow_up(smollm2, tmp_path):
     path.write_text(sample.document)
 
     async def scenario(app, pilot):
-        seen = []
-        send = app.session.send
-
-        def spy(*args, **kw):
-            for event in send(*args, **kw):
-                seen.append(event)
-                yield event
-
-        app.session.send = spy
+        seen = record_events(app)
         await paste(pilot, f"'{path}'")
         await settle(pilot, timeout=60)
         assert chips(app) == [f"long notes.txt · {smollm2.count_tokens(sample.document):,} tokens ✕"]

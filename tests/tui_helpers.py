@@ -16,6 +16,20 @@ from localchat.tui.widgets.status import StatusLine
 SIZE = (110, 36)
 
 
+def record_events(app) -> list:
+    """Wrap the session's send to keep every engine event it streams to the screen."""
+    seen = []
+    send = app.session.send
+
+    def spy(*args, **kw):
+        for event in send(*args, **kw):
+            seen.append(event)
+            yield event
+
+    app.session.send = spy
+    return seen
+
+
 def make_app(engine=None, **kw) -> LocalChatApp:
     kw.setdefault("settings", GenerationSettings(max_new_tokens=12))
     kw.setdefault("memory_probe", lambda device: 100 * 1024 * 1024)

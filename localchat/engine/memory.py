@@ -266,17 +266,22 @@ def model_bytes(model) -> int:
 # --- measuring ----------------------------------------------------------------------------------------
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process now (Linux /proc; else the peak so far)."""
+def _proc_status_bytes(field: str) -> int:
+    """A byte figure of /proc/self/status (e.g. VmRSS, VmHWM); elsewhere the peak RSS so far."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     from localchat.bench.machine import max_rss_bytes
 
     return max_rss_bytes()
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    return _proc_status_bytes("VmRSS")
 
 
 def reset_peak_rss() -> bool:
@@ -290,12 +295,4 @@ def reset_peak_rss() -> bool:
 
 def peak_rss_bytes() -> int:
     """VmHWM: the peak RSS since start or since reset_peak_rss()."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    from localchat.bench.machine import max_rss_bytes
-
-    return max_rss_bytes()
+    return _proc_status_bytes("VmHWM")

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import shlex
 
 from textual import events
 from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import Input
 
-from localchat.documents import parse_path_input
+from localchat.documents import parse_path_input, single_token
 
 BIG_PASTE_CHARS = 2000
 BIG_PASTE_LINES = 8
@@ -19,15 +18,9 @@ BIG_PASTE_LINES = 8
 def looks_like_path(text: str) -> bool:
     """A single quoted/escaped token, a file:// URL or an absolute path: meant as a file, even if missing."""
     text = text.strip()
-    if not text or "\n" in text:
+    token = single_token(text)
+    if token is None:
         return False
-    try:
-        tokens = shlex.split(text)
-    except ValueError:
-        return False
-    if len(tokens) != 1:
-        return False
-    token = tokens[0]
     if token.lower().startswith("file://"):
         return True
     return (token.startswith(("/", "~")) and token.count("/") >= 2) or (
