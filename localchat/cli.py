@@ -239,7 +239,9 @@ def run_sessions(args) -> int:
 
     rows = [("name", "title", "model", "policy", "turns", "tokens", "kept", "last used")]
     for c in chats:
-        rows.append((c.name, c.title[:40], c.model, c.policy, str(c.turns), f"{c.tokens:,}",
+        budget = store.settings(c.name).get("budget")
+        policy = f"{c.policy} b={budget}" if budget and c.policy != "full" else c.policy
+        rows.append((c.name, c.title[:40], c.model, policy, str(c.turns), f"{c.tokens:,}",
                      f"{c.kept_bytes / 2**20:,.1f} MiB", time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:

@@ -29,7 +29,7 @@ from localchat.errors import UserError
 from localchat.paths import data_dir
 from localchat.session import Attachment, Session
 
-SCHEMA = 1
+SCHEMA = 2
 MIGRATIONS = {  # version -> SQL that brings version - 1 to it
     1: """
     CREATE TABLE chats (
@@ -45,6 +45,8 @@ MIGRATIONS = {  # version -> SQL that brings version - 1 to it
         name TEXT NOT NULL, path TEXT NOT NULL, sha256 TEXT NOT NULL, tokens INTEGER NOT NULL,
         tok_start INTEGER NOT NULL, tok_end INTEGER NOT NULL, char_offset INTEGER NOT NULL);
     """,
+    # the settings a chat was last answered with (policy and its parameters, positions, chunk, --kv)
+    2: "ALTER TABLE chats ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';",
 }
 MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document) is not saved
 
@@ -91,6 +93,14 @@ def _heads_hash(heads) -> str | None:
     return heads.weights_sha256
 
 
+def settings_of(engine) -> dict:
+    """The cache settings a chat is answered with, as saved next to it."""
+    p = engine.policy
+    fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "heads"}
+    return {"policy": p.name, **fields, "positions": engine.positions, "chunk": engine.chunk,
+            "kv": getattr(engine, "kv", "none")}
+
+
 def text_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -124,6 +134,13 @@ class Store:
         ).fetchall()
         return [ChatInfo(*row) for row in rows]
 
+    def settings(self, name: str) -> dict:
+        """The settings `name` was last answered with ({} for chats saved before schema 2)."""
+        row = self.db.execute("SELECT settings FROM chats WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise UserError(f"no chat named {name!r}; `localchat sessions` lists them")
+        return json.loads(row[0])
+
     def exists(self, name: str) -> bool:
         return self.db.execute("SELECT 1 FROM chats WHERE name = ?", (name,)).fetchone() is not None
 
@@ -150,9 +167,9 @@ class Store:
                 self.db.execute("DELETE FROM chats WHERE id = ?", (old[0],))
             cur = self.db.execute(
                 "INSERT INTO chats (name, title, model, policy, system, created, updated, fed, kept_units, "
-                "kept_bytes, cache_file) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "kept_bytes, cache_file, settings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (name, session.title(), e.name, e.policy.name, session.system, old[2] if old else now, now,
-                 session.fed, session.kv_units, session.kv_bytes, cache_file))
+                 session.fed, session.kv_units, session.kv_bytes, cache_file, json.dumps(settings_of(e))))
             chat_id = cur.lastrowid
             questions = iter(session.questions)
             self.db.executemany(

@@ -156,7 +156,7 @@ def test_killing_the_process_while_it_saves_never_corrupts_the_chat(tmp_path, ti
 def test_schema_version_and_listing(tmp_path, engine):
     db = tmp_path / "v.sqlite3"
     store = Store(db)
-    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == 1
+    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == 2
     assert store.list() == []
     store.save(_chat(engine, tmp_path))
     assert [c.name for c in store.list()] == ["chat-1"]
@@ -195,3 +195,26 @@ def test_a_cache_saved_with_another_kv_format_is_reread_not_misread(engine, tmp_
     assert len(notices) == 1 and "another model, policy" in notices[0]
     evs, _, done = _answer(reopened.send("Next?", (), SETTINGS))
     assert isinstance(evs[0], Notice) and isinstance(done, Done)
+
+
+def test_a_version_1_database_is_migrated_and_its_chats_still_open(engine, tmp_path):
+    from localchat.store import MIGRATIONS
+
+    db = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(db)
+    old.executescript(MIGRATIONS[1] + "PRAGMA user_version = 1;")
+    old.execute("INSERT INTO chats (name, title, model, policy, system, created, updated) "
+                "VALUES ('kept', 'Hello?', 'tiny', 'locret', NULL, 1.0, 2.0)")
+    old.execute("INSERT INTO messages VALUES (1, 0, 'user', 'Hello?', 'Hello?'), (1, 1, 'assistant', 'Hi.', NULL)")
+    old.commit()
+    old.close()
+    store = Store(db)
+    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == 2
+    assert store.settings("kept") == {}  # saved before settings were kept
+    reopened, notices = store.load("kept", engine)
+    assert reopened.questions == ["Hello?"] and "no cache was saved" in notices[0]
+    _, _, done = _answer(reopened.send("Again?", (), SETTINGS))
+    assert isinstance(done, Done)
+    store.save(reopened)
+    saved = store.settings("kept")
+    assert (saved["policy"], saved["budget"], saved["chunk"], saved["kv"]) == ("locret", 40, 32, "none")
