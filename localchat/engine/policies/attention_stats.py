@@ -78,27 +78,35 @@ AttentionInterface.register(STATS_IMPL, stats_attention)
 AttentionMaskInterface.register(STATS_IMPL, sdpa_mask)
 
 
-class StatsHook:
+class AttentionSwitch:
+    """Switch `model` to the registered attention function `impl` and set `attr` = `payload` on every
+    attention layer (the function reads it there); `close()` restores the model."""
+
+    def __init__(self, model, impl: str, attr: str, payload):
+        from localchat.errors import UserError
+
+        self.model, self.attr = model, attr
+        self.previous = model.config._attn_implementation
+        self.modules = attention_modules(model)
+        model.set_attn_implementation(impl)
+        if model.config._attn_implementation != impl:
+            raise UserError(f"{type(model).__name__} cannot switch its attention function; this policy needs it")
+        for m in self.modules:
+            setattr(m, attr, payload)
+
+    def close(self) -> None:
+        for m in self.modules:
+            if hasattr(m, self.attr):
+                delattr(m, self.attr)
+        if self.model.config._attn_implementation != self.previous:
+            self.model.set_attn_implementation(self.previous)
+
+
+class StatsHook(AttentionSwitch):
     """Switch `model` to "localchat_stats" with `collector` on every layer; `close()` restores the model.
 
     While switched, attention outputs are SDPA's whatever the previous implementation (eager, flash).
     """
 
     def __init__(self, model, collector: Collector):
-        from localchat.errors import UserError
-
-        self.model = model
-        self.previous = model.config._attn_implementation
-        self.modules = attention_modules(model)
-        model.set_attn_implementation(STATS_IMPL)
-        if model.config._attn_implementation != STATS_IMPL:
-            raise UserError(f"{type(model).__name__} cannot switch its attention function; this policy needs it")
-        for m in self.modules:
-            setattr(m, _ATTR, collector)
-
-    def close(self) -> None:
-        for m in self.modules:
-            if hasattr(m, _ATTR):
-                delattr(m, _ATTR)
-        if self.model.config._attn_implementation != self.previous:
-            self.model.set_attn_implementation(self.previous)
+        super().__init__(model, STATS_IMPL, _ATTR, collector)

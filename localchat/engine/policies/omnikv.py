@@ -10,7 +10,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from localchat.engine.heads import attention_modules
+from localchat.engine.policies.attention_stats import AttentionSwitch
 from localchat.engine.policies.base import Policy
 
 OMNIKV_IMPL = "localchat_omnikv"
@@ -117,26 +117,14 @@ class OmniKV(Policy):
         return tuple(self.filters) if self.filters else filter_layers(depth)
 
     def attach(self, model, cache) -> None:
-        from localchat.errors import UserError
-
         super().attach(model, cache)
         depth = model.config.num_hidden_layers
         self.selection = Selection(layer_roles(depth, self.schedule(depth)), self.budget, self.softmax)
-        self.modules = attention_modules(model)
-        self.previous = model.config._attn_implementation
-        model.set_attn_implementation(OMNIKV_IMPL)
-        if model.config._attn_implementation != OMNIKV_IMPL:
-            raise UserError(f"{type(model).__name__} cannot switch its attention function; omnikv needs it")
-        for m in self.modules:
-            setattr(m, _ATTR, self.selection)
+        self.switch = AttentionSwitch(model, OMNIKV_IMPL, _ATTR, self.selection)
 
     def prefill_done(self, cache) -> None:
         self.selection.prompt = cache.get_seq_length()
         self.selection.index = None
 
     def detach(self) -> None:
-        for m in self.modules:
-            if hasattr(m, _ATTR):
-                delattr(m, _ATTR)
-        if self.model.config._attn_implementation != self.previous:
-            self.model.set_attn_implementation(self.previous)
+        self.switch.close()
