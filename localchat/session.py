@@ -51,8 +51,7 @@ class _State:
     attachments: list[Attachment] = field(default_factory=list)
 
     def copy(self) -> "_State":
-        """A snapshot: messages and attachments copied; the cache cloned (or, for a cache that never
-        evicts, only its length noted: restoring crops it back)."""
+        """Messages and attachments copied, the same cache object (`_snapshot` keeps what restores it)."""
         return _State(self.cache, self.text, self.fed, list(self.messages), list(self.attachments))
 
 

@@ -68,13 +68,10 @@ def fingerprint(engine) -> str:
     """What a saved cache depends on besides the text: model, policy (incl. heads), versions."""
     import transformers
 
-    p = engine.policy
-    settings = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "heads"}
     facts = {
         "model": engine.name, "config": engine.model.config.to_json_string(use_diff=False),
-        "dtype": str(next(engine.model.parameters()).dtype), "policy": p.name, "settings": settings,
-        "heads": _heads_hash(getattr(p, "heads", None)), "chunk": engine.chunk, "positions": engine.positions,
-        "kv": getattr(engine, "kv", "none"), "weights": getattr(engine, "weights", None),
+        "dtype": str(next(engine.model.parameters()).dtype), "settings": settings_of(engine),
+        "heads": _heads_hash(getattr(engine.policy, "heads", None)), "weights": getattr(engine, "weights", None),
         "torch": torch.__version__, "transformers": transformers.__version__, "localchat": __version__,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
@@ -94,7 +91,8 @@ def _heads_hash(heads) -> str | None:
 
 
 def settings_of(engine) -> dict:
-    """The cache settings a chat is answered with, as saved next to it."""
+    """The cache settings a chat is answered with (policy and its parameters, positions, chunk, --kv):
+    saved next to it, and part of its cache's fingerprint."""
     p = engine.policy
     fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "heads"}
     return {"policy": p.name, **fields, "positions": engine.positions, "chunk": engine.chunk,
