@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # the kernel tests run Triton's interpreter on CPU tensors (tests/test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from localchat.engine.engine import Engine
 from tiny import tiny_llama, tiny_tokenizer

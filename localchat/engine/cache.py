@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from localchat.engine.rope import shift_keys
+from localchat.kernels.evict import gather_rotate
 
 POSITION_MODES = ("compact", "original")
 
@@ -94,12 +94,7 @@ class KVLayer(DynamicLayer):
     def keep(self, idx: torch.Tensor, inv_freq: torch.Tensor | None = None) -> None:
         """Keep units `idx` (`[H_kv, k]`, ascending per head). With `inv_freq`, move keys to their new slots."""
         k = idx.shape[-1]
-        gather = idx[None, :, :, None]
-        keys = torch.gather(self.keys, 2, gather.expand(-1, -1, -1, self._k.shape[-1]))
-        values = torch.gather(self.values, 2, gather.expand(-1, -1, -1, self._v.shape[-1]))
-        if inv_freq is not None:
-            delta = torch.arange(k, device=idx.device)[None, :] - idx
-            keys = shift_keys(keys, delta, inv_freq)
+        keys, values = gather_rotate(self.keys, self.values, idx, inv_freq)  # kernels/evict.py
         self._s[:, :k] = torch.gather(self.scores, 1, idx)
         self._p[:, :k] = torch.gather(self.positions, 1, idx)
         self._k[:, :, :k] = keys

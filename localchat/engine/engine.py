@@ -18,6 +18,7 @@ from localchat.engine.cards import ModelCard
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Token
 from localchat.engine.policies import Policy, make_policy
+from localchat.engine.qattention import FusedDecode
 from localchat.engine.qcache import KV_CHOICES, QuantizedKVCache, kv_bits
 from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
 from localchat.engine.rope import rope_inv_freq
@@ -181,6 +182,7 @@ class Engine:
         prefill_s = decode_s = ttft = 0.0
         new = 0
         reason = "length"
+        fused = None
         p.attach(self.model, cache)
         try:
             if p.evicts and cache.get_seq_length() > p.budget:  # an earlier turn: compress the history
@@ -189,6 +191,7 @@ class Engine:
                                         cancel=cancel, on_oom=self._chunk_halved)
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
+            fused = FusedDecode(self.model, cache)  # a quantized cache is read packed while decoding
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
                 max_new = min(max_new, self.window - cache.next_position(pos))
@@ -218,6 +221,8 @@ class Engine:
             else:
                 decode_s = time.perf_counter() - t1
         finally:
+            if fused is not None:
+                fused.close()
             p.detach()
         held = cache.get_seq_length()
         yield Done(

@@ -19,6 +19,7 @@ import torch
 from localchat.engine.cache import KVCache
 from localchat.engine.events import Notice, Progress
 from localchat.engine.policies.base import Policy, protect_recent
+from localchat.kernels.evict import select
 
 
 class Cancelled(Exception):
@@ -51,9 +52,8 @@ def evict(cache: KVCache, policy: Policy, last_chunk: bool, recent: int = 0) -> 
     keep_n = policy.keep_size(cache) + recent
     if cache.get_seq_length() <= keep_n:
         return False
-    for i, layer in enumerate(cache.layers):
-        prio = protect_recent(policy.priority(layer, i, last_chunk), recent)
-        keep = prio.topk(keep_n, dim=-1).indices.sort(dim=-1).values
+    prios = [protect_recent(policy.priority(layer, i, last_chunk), recent) for i, layer in enumerate(cache.layers)]
+    for i, keep in enumerate(select(prios, keep_n)):  # one batched top-k over the layers (kernels/evict.py)
         cache.keep(i, keep)
     return True
 

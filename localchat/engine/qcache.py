@@ -145,6 +145,7 @@ class QuantizedKVLayer(KVLayer):
         self.bits, self.residual = bits, residual
         self.inv_freq: torch.Tensor | None = None  # set in compact mode: quantized keys are stored un-rotated
         self.nq = 0
+        self.defer = False  # a decode step hands the quantized part to the fused attention (engine/qattention.py)
         self._q: dict[str, torch.Tensor] | None = None  # QUANT_KEYS -> [1, H, cap, ...]
         self._tk = self._tv = None  # [1, H, tcap, d]
 
@@ -213,6 +214,14 @@ class QuantizedKVLayer(KVLayer):
         self.nq = self.n
         self._publish()
 
+    def quantized(self) -> dict[str, torch.Tensor]:
+        """The quantized part as QUANT_KEYS -> `[1, H, nq, ...]` views (codes, scales, zeros)."""
+        return {name: t[:, :, : self.nq] for name, t in self._q.items()}
+
+    @property
+    def head_dim(self) -> int:
+        return self._q["qk"].shape[-1] * 8 // self.bits
+
     def dequantized(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The quantized part as full-precision keys, values `[1, H, nq, d]` (keys at their slots in compact mode)."""
         dtype = dtype or self.dtype
@@ -243,6 +252,11 @@ class QuantizedKVLayer(KVLayer):
         self.n = end
         self._publish()
         if self.nq == 0:
+            return self.keys, self.values
+        if self.defer and t == 1:  # the attention function reads the packed part itself: only the tail goes back
+            from localchat.engine.qattention import defer
+
+            defer(self)
             return self.keys, self.values
         old_k, old_v = self.dequantized(key_states.dtype)
         return torch.cat([old_k, self.keys], dim=-2), torch.cat([old_v, self.values], dim=-2)

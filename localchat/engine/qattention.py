@@ -1,0 +1,76 @@
+"""Decoding on a quantized cache without materialising it: the "localchat_qattn" attention function.
+
+While the engine decodes on a QuantizedKVCache it switches the model to this function (registered with
+transformers' public `AttentionInterface`) and sets `defer` on the cache layers. A layer's `update` for a
+one-token step then returns only its full-precision tail and leaves itself here; the function hands the
+packed codes, scales and zeros to `kernels.qattn.decode_attention` (Triton on CUDA, the torch twin
+elsewhere). Any other call (a prefill chunk, no deferred layer) is plain SDPA.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from localchat.kernels.qattn import decode_attention
+
+QATTN_IMPL = "localchat_qattn"
+_pending = threading.local()
+
+
+def defer(layer) -> None:
+    """Called by QuantizedKVLayer.update: the next attention call of this thread reads `layer`."""
+    _pending.layer = layer
+
+
+def quant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    layer = getattr(_pending, "layer", None)
+    _pending.layer = None
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    from localchat.engine.qcache import group_size
+
+    # one query against every kept unit: no mask is needed (decoding sees the whole cache)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    d = layer.head_dim
+    out = decode_attention(query, layer.quantized(), key, value, layer.bits, group_size(d), scale, layer.inv_freq)
+    return out, None
+
+
+AttentionInterface.register(QATTN_IMPL, quant_attention)
+AttentionMaskInterface.register(QATTN_IMPL, sdpa_mask)
+
+
+class FusedDecode:
+    """Switch `model` to the fused attention and the layers of `cache` to defer, if both can; `close()` undoes."""
+
+    def __init__(self, model, cache):
+        from localchat.engine.policies.attention_stats import AttentionSwitch
+        from localchat.errors import UserError
+
+        self.switch = None
+        self.layers = [layer for layer in cache.layers if hasattr(layer, "defer")]
+        if not self.layers or model.config._attn_implementation != "sdpa":  # a policy's own attention is on
+            return
+        try:
+            self.switch = AttentionSwitch(model, QATTN_IMPL, "_localchat_qattn", True)
+        except (UserError, ValueError):
+            return
+        for layer in self.layers:
+            layer.defer = True
+
+    @property
+    def active(self) -> bool:
+        return self.switch is not None
+
+    def close(self) -> None:
+        for layer in self.layers:
+            layer.defer = False
+        _pending.layer = None
+        if self.switch is not None:
+            self.switch.close()
+            self.switch = None
