@@ -169,9 +169,7 @@ def test_fused_decode_gives_the_same_answer_as_dequantize_then_sdpa(tiny_tok, po
         model = tiny_llama(len(tiny_tok), layers=2, q_heads=4, kv_heads=2, head_dim=16)
         engine = Engine(model, tiny_tok, name="tiny", chunk=32, kv="int4",
                         policy=make_policy("streaming", budget=48), positions=positions)
-        if not fused:
-            monkeypatch.setattr(qattention.FusedDecode, "__init__", lambda self, m, c: setattr(self, "switch", None)
-                                or setattr(self, "layers", []))
+        engine.fused_decode = fused
         ids = engine.encode("the quick brown fox jumps over the lazy dog " * 12)
         events = list(engine.generate(ids, GenerationSettings(max_new_tokens=12, ignore_eos=True)))
         assert isinstance(events[-1], Done) and model.config._attn_implementation == "sdpa"  # restored
@@ -179,4 +177,6 @@ def test_fused_decode_gives_the_same_answer_as_dequantize_then_sdpa(tiny_tok, po
 
     fused_tokens = run(True)
     assert len(calls) > 0  # the fused attention ran on the decode steps
+    calls.clear()
     assert fused_tokens == run(False)
+    assert not calls

@@ -16,7 +16,8 @@ USAGE = """examples:
   localchat bench --tasks passkey,niah_single --lengths 4096 --policies full,locret,streaming --budgets 512 \\
       -n 5 --out DIR --heads random
   localchat bench report DIR
-  localchat bench perf --out DIR --heads random"""
+  localchat bench perf --out DIR --heads random
+  localchat bench kernels --out DIR"""
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -52,7 +53,7 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--in-process", action="store_true",
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{report,perf}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{report,perf,kernels}")
     report = sub.add_parser("report", help="DIR/results.jsonl -> DIR/report.md and PNG plots")
     report.add_argument("dir", help="a bench --out directory")
     perf = sub.add_parser("perf", help="LOCRET vs full speed side by side; time per token vs length")
@@ -63,6 +64,13 @@ def add_parser(subparsers) -> None:
     perf.add_argument("--budget", type=int, default=None, help="LOCRET budget (default: the model card's)")
     perf.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded side by side (default 64)")
     _engine_flags(perf)
+    kern = sub.add_parser("kernels", help="each Triton kernel vs its torch twin; int4-KV decode end to end")
+    kern.add_argument("--out", help="directory for kernels.json and kernels.md")
+    kern.add_argument("--length", default="8192", help="document tokens of the end-to-end run (default 8192)")
+    kern.add_argument("--budget", type=int, default=1024, help="LOCRET budget (default 1024)")
+    kern.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per mode (default 64)")
+    kern.add_argument("--reps", type=int, default=50, help="timed calls per kernel (median; default 50)")
+    _engine_flags(kern)
 
 
 def parse_list(text: str, what: str) -> list[str]:
@@ -144,6 +152,8 @@ def run(args) -> int:
         return 0
     if args.bench_command == "perf":
         return _run_perf(args)
+    if args.bench_command == "kernels":
+        return _run_kernels(args)
     from localchat.bench.runner import BenchConfig
     from localchat.bench.runner import run as run_grid
 
@@ -161,6 +171,21 @@ def run(args) -> int:
         command=_command(args, perf=False),
     )
     run_grid(config, say=_say)
+    return 0
+
+
+def _run_kernels(args) -> int:
+    from localchat.bench.kernels import KernelConfig
+    from localchat.bench.kernels import run as run_kernels
+
+    if not args.out:
+        raise UserError("bench kernels needs --out DIR (where kernels.json and kernels.md go)")
+    config = KernelConfig(out=Path(args.out), model=getattr(args, "model", None), length=parse_length(args.length),
+                          budget=args.budget, decode_tokens=args.decode_tokens, reps=args.reps,
+                          seed=getattr(args, "seed", 0) or 0,
+                          command=shlex.join(["localchat", "bench", "kernels", *sys.argv[sys.argv.index("kernels") + 1:]])
+                          if "kernels" in sys.argv else "localchat bench kernels")
+    print(run_kernels(config, say=_say).read_text(encoding="utf-8"))
     return 0
 
 

@@ -36,6 +36,7 @@ class Engine:
         self.model = model
         self.weights: str | None = None  # the --weights the model was loaded with (None: as stored)
         self.kv = kv or "none"  # retained units stored quantized: int8 / int4 / int2 (engine/qcache.py)
+        self.fused_decode = True  # decode on a quantized cache reads it packed (engine/qattention.py)
         if self.kv not in KV_CHOICES:
             raise UserError(f"unknown --kv {self.kv!r}; choose one of: {', '.join(KV_CHOICES)}")
         self.tokenizer = tokenizer
@@ -191,7 +192,8 @@ class Engine:
                                         cancel=cancel, on_oom=self._chunk_halved)
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            fused = FusedDecode(self.model, cache)  # a quantized cache is read packed while decoding
+            if self.fused_decode:  # a quantized cache is read packed while decoding
+                fused = FusedDecode(self.model, cache)
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
                 max_new = min(max_new, self.window - cache.next_position(pos))
