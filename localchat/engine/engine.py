@@ -190,6 +190,8 @@ class Engine:
                 evict(cache, p, last_chunk=True)
             logits = yield from prefill(self.model, cache, ids, chunk=self.chunk, policy=p, first_pos=first_pos,
                                         cancel=cancel, on_oom=self._chunk_halved)
+            if self.device.type == "cuda":  # queued prefill work belongs to the prefill time
+                torch.cuda.synchronize()
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             if self.fused_decode:  # a quantized cache is read packed while decoding

@@ -299,7 +299,7 @@ class QuantizedKVLayer(KVLayer):
         tk = self._tk[:, :, : self.nt] if self._tk is not None else None
         if tk is None:  # the tail was never allocated: an empty one of the right shape
             d = self._q["qk"].shape[-1] * 8 // self.bits
-            tk = torch.empty((1, self._q["qk"].shape[1], 0, d), device=self._s.device)
+            tk = torch.empty((1, self._q["qk"].shape[1], 0, d), device=self._s.device, dtype=self.dtype)
         out.update(tk=tk, tv=self._tv[:, :, : self.nt] if self._tv is not None else tk,
                    s=self.scores, p=self.positions)
         return out

@@ -36,4 +36,6 @@ def pick_token(logits: torch.Tensor, settings: GenerationSettings, gen: torch.Ge
         cut = torch.cumsum(sorted_p, dim=-1) - sorted_p >= settings.top_p  # keep the smallest set reaching top_p
         sorted_p[cut] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    if gen is not None and probs.device != gen.device:  # the engine's generator is on the CPU (same draws anywhere)
+        probs = probs.to(gen.device)
     return int(torch.multinomial(probs, 1, generator=gen))
