@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["keep"])
 def gather_rotate_kernel(
     k_ptr, v_ptr, idx_ptr, inv_ptr, ok_ptr, ov_ptr, keep,
     k_h, k_u, v_h, v_u, idx_h, ok_h, ok_u, ov_h, ov_u,

@@ -1,4 +1,11 @@
-"""The Triton kernel behind qattn.decode_attention (imported only when Triton runs; see qattn.py)."""
+"""The Triton kernels behind qattn.decode_attention (imported only when Triton runs; see qattn.py).
+
+`qattn_split_kernel`, grid (query heads, splits + 1): program (hq, s < splits) attends to its split of the
+quantized units, the last program of each head to the full-precision tail; each writes a partial output and
+its log-sum-exp. `merge_kernel`, grid (query heads,): the softmax-weighted sum of the partials.
+Lengths are not specialised on (`do_not_specialize`): a decode step adds a unit, and a new compile per
+length would cost far more than the step.
+"""
 
 import triton
 import triton.language as tl
@@ -6,56 +13,55 @@ import triton.language as tl
 
 @triton.jit
 def _dequant(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, umask, BITS: tl.constexpr, G: tl.constexpr):
-    """Values `[BLOCK, D_PAD]` fp32 of columns `cols` of the rows at c_row / s_row / z_row (pointer offsets)."""
+    """Values `[BLOCK, D_PAD]` fp32 of the rows at c_row / s_row / z_row (pointer offsets)."""
     PER_BYTE: tl.constexpr = 8 // BITS
-    byte = cols // PER_BYTE
-    shift = (cols % PER_BYTE) * BITS
-    packed = tl.load(c_ptr + c_row[:, None] + byte[None, :], mask=umask, other=0).to(tl.int32)
-    codes = (packed >> shift[None, :]) & ((1 << BITS) - 1)
+    packed = tl.load(c_ptr + c_row[:, None] + (cols // PER_BYTE)[None, :], mask=umask, other=0).to(tl.int32)
+    codes = (packed >> ((cols % PER_BYTE) * BITS)[None, :]) & ((1 << BITS) - 1)
     scale = tl.load(s_ptr + s_row[:, None] + (cols // G)[None, :], mask=umask, other=0.0).to(tl.float32)
     zero = tl.load(z_ptr + z_row[:, None] + (cols // G)[None, :], mask=umask, other=0.0).to(tl.float32)
     return codes.to(tl.float32) * scale + zero
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nt", "per_split"])
 def qattn_split_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, inv_ptr, out_ptr, lse_ptr,
-    n, per_split, scaling,
-    kc_h, kc_u, vc_h, vc_u, ks_h, ks_u, kz_h, kz_u, vs_h, vs_u, vz_h, vz_u,
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, inv_ptr, out_ptr, lse_ptr,
+    n, nt, per_split, scaling, q_h,
+    kc_h, kc_u, vc_h, vc_u, ks_h, ks_u, kz_h, kz_u, vs_h, vs_u, vz_h, vz_u, tk_h, tk_u, tv_h, tv_u,
     Q_PER_KV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
     ROTATE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     hq = tl.program_id(0)
     split = tl.program_id(1)
-    splits = tl.num_programs(1)
+    programs = tl.num_programs(1)
     h = hq // Q_PER_KV
     cols = tl.arange(0, D_PAD)
     cmask = cols < D
-    HALF: tl.constexpr = D // 2
-    partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
-    partner = tl.where(cmask, partner, 0)
-    sign = tl.where(cols < HALF, -1.0, 1.0)
-    q = tl.load(q_ptr + hq * D + cols, mask=cmask, other=0.0)
-    if ROTATE:
+    q = tl.load(q_ptr + hq * q_h + cols, mask=cmask, other=0.0).to(tl.float32) * scaling
+    if ROTATE:  # q·R(i)k = (R(-i)q)·k: rotate the query per unit instead of each key (no partner dequantize)
+        HALF: tl.constexpr = D // 2
+        partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
+        qp = tl.load(q_ptr + hq * q_h + partner, mask=cmask, other=0.0).to(tl.float32) * scaling
+        sign = tl.where(cols < HALF, -1.0, 1.0)
         inv = tl.load(inv_ptr + (cols % HALF), mask=cmask, other=0.0)
 
-    start = split * per_split
-    stop = tl.minimum(start + per_split, n)
+    tail = split == programs - 1
+    q_start = tl.where(tail, 0, split * per_split)
+    q_stop = tl.where(tail, 0, tl.minimum(q_start + per_split, n))
+    t_stop = tl.where(tail, nt, 0)
     m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
     acc = tl.zeros([D_PAD], tl.float32)
-    for first in range(start, stop, BLOCK):
+    for first in range(q_start, q_stop, BLOCK):  # the quantized units of this split
         units = first + tl.arange(0, BLOCK)
-        live = units < stop
+        live = units < q_stop
         umask = live[:, None] & cmask[None, :]
         k = _dequant(kc_ptr, ks_ptr, kz_ptr, h * kc_h + units * kc_u, h * ks_h + units * ks_u,
                      h * kz_h + units * kz_u, cols, umask, BITS, G)
-        if ROTATE:  # stored at RoPE position 0; unit i sits at slot i: rotate-half by angle i * inv_freq
-            kp = _dequant(kc_ptr, ks_ptr, kz_ptr, h * kc_h + units * kc_u, h * ks_h + units * ks_u,
-                          h * kz_h + units * kz_u, partner, umask, BITS, G)
+        if ROTATE:
             angle = units.to(tl.float32)[:, None] * inv[None, :]
-            k = k * tl.cos(angle) + sign[None, :] * kp * tl.sin(angle)
-        s = tl.sum(k * q[None, :], axis=1) * scaling
+            s = tl.sum(k * (q[None, :] * tl.cos(angle) - sign[None, :] * qp[None, :] * tl.sin(angle)), axis=1)
+        else:
+            s = tl.sum(k * q[None, :], axis=1)
         s = tl.where(live, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp(m_i - m_new)
@@ -65,5 +71,34 @@ def qattn_split_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
-    tl.store(out_ptr + (hq * splits + split) * D + cols, acc / l_i, mask=cmask)
-    tl.store(lse_ptr + hq * splits + split, m_i + tl.log(l_i))
+    for first in range(0, t_stop, BLOCK):  # the full-precision tail (keys already at their RoPE positions)
+        units = first + tl.arange(0, BLOCK)
+        live = units < t_stop
+        umask = live[:, None] & cmask[None, :]
+        k = tl.load(tk_ptr + h * tk_h + units[:, None] * tk_u + cols[None, :], mask=umask, other=0.0).to(tl.float32)
+        s = tl.where(live, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        v = tl.load(tv_ptr + h * tv_h + units[:, None] * tv_u + cols[None, :], mask=umask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    empty = l_i == 0.0  # a tail program with no tail
+    tl.store(out_ptr + (hq * programs + split) * D + cols, acc / tl.where(empty, 1.0, l_i), mask=cmask)
+    tl.store(lse_ptr + hq * programs + split, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))))
+
+
+@triton.jit(do_not_specialize=["parts"])
+def merge_kernel(part_ptr, lse_ptr, out_ptr, parts, D: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr):
+    hq = tl.program_id(0)
+    idx = tl.arange(0, P_PAD)
+    pmask = idx < parts
+    lse = tl.load(lse_ptr + hq * parts + idx, mask=pmask, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    cols = tl.arange(0, D_PAD)
+    m = pmask[:, None] & (cols < D)[None, :]
+    part = tl.load(part_ptr + (hq * parts + idx)[:, None] * D + cols[None, :], mask=m, other=0.0)
+    out = tl.sum(w[:, None] * part, axis=0)
+    tl.store(out_ptr + hq * D + cols, out.to(out_ptr.dtype.element_ty), mask=cols < D)

@@ -6,10 +6,11 @@ Inputs (the layout of engine/qcache.py; H = KV heads, Hq = query heads, d = head
   inv_freq `[d/2]` or None: when given, quantized key i is stored un-rotated and sits at RoPE position i (its slot).
 Output `[1, 1, Hq, d]` in the query's dtype (transformers' attention-function layout).
 
-Triton: a flash-decoding kernel. Program (query head, split) walks its split of the nq units in blocks:
-unpack codes, scale + zero per group, rotate keys by their slot (cos/sin computed in the kernel), online
-softmax, accumulate values; it writes a partial output and its log-sum-exp. The tail (a few hundred units
-at most, full precision) is attended in torch and merged with the partials by their log-sum-exps.
+Triton: a flash-decoding kernel (two launches per layer). Program (query head, split) walks its split of
+the nq units in blocks: unpack codes, scale + zero per group, score against the query rotated by the unit's
+slot (q·R(i)k = (R(-i)q)·k, cos/sin computed in the kernel), online softmax, accumulate values; one more
+program per head does the full-precision tail. Each writes a partial output and its log-sum-exp; a second
+kernel merges them. The query is read in place (no copy).
 The twin dequantizes the whole quantized part and runs plain softmax attention in fp32.
 """
 
@@ -44,9 +45,11 @@ def dequantized_keys_values(quant, bits: int, group: int, inv_freq=None):
 
 
 def decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq=None):
-    keys, values = dequantized_keys_values(quant, bits, group, inv_freq)
-    keys = torch.cat([keys, tail_k.float()], dim=-2)[0]  # [H, n, d]
-    values = torch.cat([values, tail_v.float()], dim=-2)[0]
+    keys, values = tail_k.float(), tail_v.float()
+    if quant["qk"].shape[2] > 0:
+        old_k, old_v = dequantized_keys_values(quant, bits, group, inv_freq)
+        keys, values = torch.cat([old_k, keys], dim=-2), torch.cat([old_v, values], dim=-2)
+    keys, values = keys[0], values[0]  # [H, n, d]
     h_q, h = query.shape[1], keys.shape[0]
     q = query[0, :, -1].float().reshape(h, h_q // h, -1)  # [H, G, d]
     probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q, keys) * scaling, dim=-1)
@@ -56,76 +59,63 @@ def decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, i
 
 # --- Triton ------------------------------------------------------------------------------------------------
 
-_KERNEL = None
+_KERNELS = None
+TARGET_PROGRAMS = 264  # about two per SM of an H100: enough splits to fill the GPU at short lengths
+MAX_SPLITS = 63
 
 
-def _kernel():
-    """The Triton kernel, defined at first use (so TRITON_INTERPRET set by a test before that is honoured)."""
-    global _KERNEL
-    if _KERNEL is None:
+def _kernels():
+    """The Triton kernels, imported at first use (so TRITON_INTERPRET set by a test before that is honoured)."""
+    global _KERNELS
+    if _KERNELS is None:
         from localchat.kernels import _qattn_triton
 
-        _KERNEL = _qattn_triton.qattn_split_kernel
-    return _KERNEL
+        _KERNELS = _qattn_triton
+    return _KERNELS
 
 
-def _partials(query, quant, bits, group, scaling, inv_freq):
-    """Partial outputs `[Hq, S, d]` fp32 and log-sum-exps `[Hq, S]` over the quantized part, S splits."""
-    import triton
-
-    h_q, d = query.shape[1], query.shape[-1]
-    kc, vc = quant["qk"], quant["qv"]
-    h, nq = kc.shape[1], kc.shape[2]
-    splits = max(1, min(triton.cdiv(nq, MIN_SPLIT), 64))
-    per_split = triton.cdiv(triton.cdiv(nq, splits), BLOCK) * BLOCK
-    splits = triton.cdiv(nq, per_split)
-    q = query[0, :, -1].float().contiguous()  # [Hq, d]
-    out = torch.empty((h_q, splits, d), device=query.device, dtype=torch.float32)
-    lse = torch.empty((h_q, splits), device=query.device, dtype=torch.float32)
-    rotate = inv_freq is not None
-    inv = inv_freq.to(query.device, torch.float32).contiguous() if rotate else q  # unused when not rotating
-    ks, kz, vs, vz = quant["ks"], quant["kz"], quant["vs"], quant["vz"]
-    for t in (kc, vc, ks, kz, vs, vz):
-        if t.stride(-1) != 1:
-            raise ValueError("quantized cache tensors must be contiguous along their last axis")
-    _kernel()[(h_q, splits)](
-        q, kc, ks, kz, vc, vs, vz, inv, out, lse,
-        nq, per_split, float(scaling),
-        kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2),
-        ks.stride(1), ks.stride(2), kz.stride(1), kz.stride(2),
-        vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
-        Q_PER_KV=h_q // h, D=d, D_PAD=triton.next_power_of_2(d), BITS=bits, G=group, ROTATE=rotate, BLOCK=BLOCK,
-    )
-    return out, lse
-
-
-def _tail(query, tail_k, tail_v, scaling):
-    """Output `[Hq, 1, d]` and log-sum-exp `[Hq, 1]` over the full-precision tail."""
-    h_q, h = query.shape[1], tail_k.shape[1]
-    q = query[0, :, -1].float().reshape(h, h_q // h, -1)
-    logits = torch.einsum("hgd,hnd->hgn", q, tail_k[0].float()) * scaling
-    lse = torch.logsumexp(logits, dim=-1)  # [H, G]
-    out = torch.einsum("hgn,hnd->hgd", torch.exp(logits - lse[..., None]), tail_v[0].float())
-    return out.reshape(h_q, 1, -1), lse.reshape(h_q, 1)
-
-
-def merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """Softmax-weighted merge of partial attentions: `[Hq, S, d]`, `[Hq, S]` -> `[Hq, d]`."""
-    w = torch.softmax(lses, dim=-1)
-    return (outs * w[..., None]).sum(dim=1)
+def plan_splits(nq: int, h_q: int, block: int) -> tuple[int, int]:
+    """(splits, units per split): enough programs to fill the GPU, each split a whole number of blocks."""
+    blocks = -(-nq // block)
+    splits = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // h_q), blocks))
+    per_split = -(-blocks // splits) * block
+    return -(-nq // per_split) if nq else 0, per_split
 
 
 def decode_attention_triton(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq=None):
-    h_q = query.shape[1]
-    parts, lses = [], []
-    if quant["qk"].shape[2] > 0:
-        out, lse = _partials(query, quant, bits, group, scaling, inv_freq)
-        parts.append(out)
-        lses.append(lse)
-    if tail_k.shape[2] > 0:
-        out, lse = _tail(query, tail_k, tail_v, scaling)
-        parts.append(out)
-        lses.append(lse)
-    if not parts:
+    import triton
+
+    k = _kernels()
+    h_q, d = query.shape[1], query.shape[-1]
+    kc, vc, ks, kz, vs, vz = (quant[name] for name in ("qk", "qv", "ks", "kz", "vs", "vz"))
+    h, nq, nt = kc.shape[1], kc.shape[2], tail_k.shape[2]
+    if nq + nt == 0:
         raise ValueError("decode attention over an empty cache")
-    return merge(torch.cat(parts, dim=1), torch.cat(lses, dim=1)).reshape(1, 1, h_q, -1).to(query.dtype)
+    for t in (kc, vc, ks, kz, vs, vz, tail_k, tail_v, query):
+        if t.stride(-1) != 1:
+            raise ValueError("decode attention needs tensors contiguous along their last axis")
+    d_pad = triton.next_power_of_2(d)
+    block = 64 if d_pad <= 64 else 32
+    splits, per_split = plan_splits(nq, h_q, block)
+    programs = splits + 1  # the last one per head reads the tail
+    parts = torch.empty((h_q, programs, d), device=query.device, dtype=torch.float32)
+    lse = torch.empty((h_q, programs), device=query.device, dtype=torch.float32)
+    rotate = inv_freq is not None
+    inv = inv_freq.to(query.device, torch.float32) if rotate else lse  # unused when not rotating
+    k.qattn_split_kernel[(h_q, programs)](
+        query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse,
+        nq, nt, per_split, float(scaling), query.stride(1),
+        kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2), ks.stride(1), ks.stride(2), kz.stride(1),
+        kz.stride(2), vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
+        tail_k.stride(1), tail_k.stride(2), tail_v.stride(1), tail_v.stride(2),
+        Q_PER_KV=h_q // h, D=d, D_PAD=d_pad, BITS=bits, G=group, ROTATE=rotate, BLOCK=block,
+    )
+    out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
+    k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs))
+    return out
+
+
+def merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Softmax-weighted merge of partial attentions `[Hq, S, d]`, `[Hq, S]` -> `[Hq, d]` (merge_kernel's rule)."""
+    w = torch.softmax(lses, dim=-1)
+    return (outs * w[..., None]).sum(dim=1)

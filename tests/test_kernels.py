@@ -25,9 +25,9 @@ def quantized(h: int, n: int, d: int, bits: int, seed: int) -> dict[str, torch.T
     g = torch.Generator().manual_seed(seed)
     out = {}
     for names in (("qk", "ks", "kz"), ("qv", "vs", "vz")):
-        x = torch.randn(1, h, n, d, generator=g) * 2
+        x = torch.randn(1, h, max(n, 1), d, generator=g) * 2
         out.update(zip(names, quantize(x, bits, group_size(d))))
-    return {k: v.to(DEV) for k, v in out.items()}
+    return {k: v[:, :, :n].to(DEV) for k, v in out.items()}
 
 
 # (query heads, KV heads, head_dim, quantized units, tail units, bits, rotate)
@@ -37,6 +37,8 @@ QATTN_CASES = [
     (2, 1, 64, 1, 3, 8, True),  # one quantized unit
     (6, 2, 32, 130, 17, 4, False),  # odd lengths
     (8, 8, 128, 129, 1, 2, True),  # no GQA, Llama-sized heads
+    (4, 2, 64, 0, 9, 4, True),  # nothing quantized yet: the tail alone
+    (32, 8, 128, 600, 64, 4, True),  # Llama-3-8B's heads, several splits
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from localchat.bench.tasks import make_sample, prompt_messages, score
 from localchat.engine.engine import Engine
@@ -33,8 +34,11 @@ def test_int8_kv_scores_like_no_kv_quantization_on_passkeys(smollm2):
         engine.kv = "none"
     right = {kv: [bool(score(s, d.text)) for s, d in zip(samples, done)] for kv, done in results.items()}
     assert right["int8"] == right["none"] and any(right["none"])  # the same passkeys found
+    # int8 codes + fp16 scale/zero per 64 values: ~1.06 bytes per value against 4 (fp32, CPU) or 2 (bf16, CUDA);
+    # the local tail and the answer stay in full precision
+    bound = 0.55 if engine.model.dtype == torch.float32 else 0.8
     for a, b in zip(results["none"], results["int8"]):
-        assert b.kv_tokens == a.kv_tokens and b.kv_bytes < 0.55 * a.kv_bytes  # the local tail and answer stay fp32
+        assert b.kv_tokens == a.kv_tokens and b.kv_bytes < bound * a.kv_bytes
 
 
 def test_int4_weights_load_and_answer_on_cpu():

@@ -32,6 +32,7 @@ class KernelConfig:
     decode_tokens: int = 64
     reps: int = 50
     seed: int = 0
+    micro_only: bool = False
     command: str = ""
 
 
@@ -144,19 +145,21 @@ def end_to_end(config: KernelConfig, say):
 def measure(config: KernelConfig, say=lambda s: None) -> dict:
     from localchat.bench import machine
 
-    say("kernels: end to end")
-    e2e, engine = end_to_end(config, say)
+    e2e, model, device = [], None, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not config.micro_only:
+        say("kernels: end to end")
+        e2e, engine = end_to_end(config, say)
+        model, device = engine.name, engine.device
     say("kernels: micro")
-    rows = micro(config.reps, engine.device)
+    rows = micro(config.reps, device)
     fused = next((r for r in e2e if "Triton" in r["mode"]), None)
-    old = next(r for r in e2e if "dequantize" in r["mode"])
+    old = next((r for r in e2e if "dequantize" in r["mode"]), None)
     return {
         "command": config.command,
-        "setup": {"model": engine.name, "device": engine.device.type, "length": config.length,
-                  "budget": config.budget, "positions": "compact", "heads": "random (speed only)",
-                  "chunk": engine.chunk, "decode_tokens": config.decode_tokens, "reps": config.reps,
-                  "seed": config.seed, "date": time.strftime("%Y-%m-%d"),
-                  "triton": kernels.backend() == "triton" or engine.device.type == "cuda"},
+        "setup": {"model": model, "device": device.type, "length": config.length, "budget": config.budget,
+                  "positions": "compact", "heads": "random (speed only)", "decode_tokens": config.decode_tokens,
+                  "reps": config.reps, "seed": config.seed, "date": time.strftime("%Y-%m-%d"),
+                  "triton": kernels.use_triton(torch.zeros(1, device=device))},
         "hardware": machine.hardware(), "versions": machine.versions(),
         "micro": rows, "end_to_end": e2e,
         "decode_fused_triton_vs_dequant_sdpa": round(fused["decode_tok_s"] / old["decode_tok_s"], 2) if fused else None,
@@ -173,12 +176,13 @@ def markdown(result: dict) -> str:
     s, hw, v = result["setup"], result["hardware"], result["versions"]
     gpu = f", GPU {hw['gpu']}" if hw.get("gpu") else ""
     ratio = result["decode_fused_triton_vs_dequant_sdpa"]
-    lines = [f"# Kernels vs twins, {s['model']}, {hw['cpu']} ({hw['cores']} cores{gpu})", "",
+    lines = [f"# Kernels vs twins, {s['model'] or 'no model'}, {hw['cpu']} ({hw['cores']} cores{gpu})", "",
              f"Command: `{result['command']}` ({s['date']}, {s['device']}, torch {v['torch']}, transformers "
-             f"{v['transformers']}, localchat {v['localchat']}, seed {s['seed']}).", "",
-             f"## End to end: decode tokens/s, LOCRET b={s['budget']}, {s['length']}-token document, compact "
-             f"positions, chunk {s['chunk']}, {s['decode_tokens']} tokens greedy (EOS ignored), heads {s['heads']}",
-             "", *_table(result["end_to_end"]), ""]
+             f"{v['transformers']}, localchat {v['localchat']}, seed {s['seed']}).", ""]
+    if result["end_to_end"]:
+        lines += [f"## End to end: decode tokens/s, LOCRET b={s['budget']}, {s['length']}-token document, compact "
+                  f"positions, {s['decode_tokens']} tokens greedy (EOS ignored), heads {s['heads']}", "",
+                  *_table(result["end_to_end"]), ""]
     if ratio is not None:
         lines += [f"Fused int4 decode on Triton / dequantize-then-SDPA: {ratio}x.", ""]
     for kernel in ("decode_attention", "gather_rotate", "select"):
