@@ -105,3 +105,14 @@ def test_kv_and_weights_follow_cli_over_env_over_profile(tiny_dir, monkeypatch):
     engine = load_engine(build_parser().parse_args(["--model", str(tiny_dir), "--policy", "full",
                                                     "--profile", "none"]))
     assert engine.kv == "none"
+
+
+def test_load_dtype_follows_the_choice_and_int8_on_cuda_loads_at_fp16():
+    from localchat.engine.quantize import load_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert load_dtype("bf16", torch.float32, cpu) == torch.bfloat16
+    assert load_dtype(None, torch.bfloat16, cuda) == torch.bfloat16
+    assert load_dtype("int8", torch.float32, cpu) == torch.float32  # quanto int8 keeps the CPU's fp32 activations
+    assert load_dtype("int8", torch.bfloat16, cuda) == torch.float16  # bitsandbytes int8 computes in fp16
+    assert load_dtype("nf4", torch.bfloat16, cuda) == torch.bfloat16  # nf4 computes in bf16 (bnb_config)

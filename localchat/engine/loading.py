@@ -74,7 +74,7 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
     hf_logging.disable_progress_bar()  # a warm start prints nothing but the answer
     device = device or best_device()
     quantize.check(weights, device)
-    dtype = dtype or quantize.load_dtype(weights, best_dtype(device))
+    dtype = dtype or quantize.load_dtype(weights, best_dtype(device), device)
     bnb = quantize.bnb_config(weights, device)
     extra = {"quantization_config": bnb, "device_map": {"": device.index or 0}} if bnb is not None else {}
     local = Path(source).is_dir()

@@ -31,8 +31,13 @@ def check(weights: str | None, device: torch.device) -> None:
         raise UserError("--weights nf4 needs a CUDA GPU (bitsandbytes); on this CPU use --weights int4 or int8")
 
 
-def load_dtype(weights: str | None, default: torch.dtype) -> torch.dtype:
-    """The dtype from_pretrained loads at: the float choice, else the activation dtype of the device."""
+def load_dtype(weights: str | None, default: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """The dtype from_pretrained loads at: the float choice, else the activation dtype of the device.
+
+    bitsandbytes int8 on CUDA computes in fp16: at bf16 it casts the inputs of every int8 matmul and warns each
+    time (1,680 warnings for one short answer on an H100), so int8 on CUDA loads at fp16."""
+    if weights == "int8" and device is not None and device.type == "cuda":
+        return torch.float16
     return FLOAT.get(weights or "", default)
 
 
