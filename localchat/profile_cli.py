@@ -194,21 +194,33 @@ def load_measured(args) -> tuple[object, int]:
     from localchat.engine.memory import rss_bytes
     from localchat.engine.policy_setup import policy_for
 
+    from localchat.engine import quantize
+
     source, card = loading.resolve(args.model)
     local = Path(source).is_dir()
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
     device = loading.best_device()
-    dtype = loading.best_dtype(device)
+    weights = getattr(args, "weights", None)  # measured as planned: --weights and --kv load as the chat would
+    quantize.check(weights, device)
+    dtype = quantize.load_dtype(weights, loading.best_dtype(device), device)
+    bnb = quantize.bnb_config(weights, device)
+    extra = {"quantization_config": bnb, "device_map": {"": device.index or 0}} if bnb is not None else {}
+    kv = getattr(args, "kv", None)
     x = torch.randn(1, 4, 64, 32, dtype=dtype, device=device)  # page in the kernels a forward uses
     mask = torch.ones(64, 64, dtype=torch.bool, device=device).tril()
     torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
     torch.nn.functional.silu(x @ x.transpose(-1, -2)).topk(8, dim=-1)
     baseline = rss_bytes()
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", local_files_only=local)
-    model.to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", local_files_only=local,
+                                                 **extra)
+    if bnb is None:
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
+    quantize.quantize_after_load(model, weights, device)
     engine = Engine(model, tokenizer, name=card.name if card else args.model or source, card=card, chunk=args.chunk,
-                    positions=args.positions)
+                    positions=args.positions, kv=kv if kv in ("int8", "int4", "int2") else None)
+    engine.weights = weights
     engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
                                  local=args.local, heads=getattr(args, "heads", None),
                                  decode_window=getattr(args, "decode_window", None)), args.positions)

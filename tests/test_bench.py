@@ -85,6 +85,15 @@ def test_multiturn_times_every_follow_up(tiny_dir, tmp_path):
     assert max(t["kv_tokens"] for t in turns) <= 48 + 96 + 8
 
 
+def test_in_process_keeps_one_model_loaded(tiny_dir, tmp_path):
+    """Two weight precisions in one process: the first model is dropped before the second loads."""
+    config = BenchConfig(tasks=["passkey"], lengths=[128], policies=["full"], budgets=[], n=1, out=tmp_path,
+                         model=tiny_dir, chunk=64, answer_tokens=2, in_process=True, weights=["fp32", "int8"])
+    run(config, say=lambda line: None)
+    assert sorted(r["weights"] for r in _rows(tmp_path)) == ["fp32", "int8"]
+    assert [key[2] for key in config.engines] == ["int8"]
+
+
 def test_a_cell_runs_in_its_own_process(tiny_dir, tmp_path):
     config = BenchConfig(tasks=["passkey"], lengths=[128], policies=["full"], budgets=[], n=1, out=tmp_path,
                          model=tiny_dir, chunk=64, answer_tokens=2)
@@ -192,7 +201,7 @@ def test_passkey_cell_on_smollm2(smollm2, tmp_path):
     """The real default model finds 2K-token pass keys with full attention, through the bench runner."""
     config = BenchConfig(tasks=["passkey"], lengths=[2048], policies=["full"], budgets=[], n=2, out=tmp_path,
                          in_process=True)
-    config.engines[(None, smollm2.chunk)] = smollm2  # reuse the session's engine
+    config.engines[(None, smollm2.chunk, None)] = smollm2  # reuse the session's engine (the runner's key)
     run(config, say=lambda line: None)
     rows = _rows(tmp_path)
     assert [r["score"] for r in rows] == [1.0, 1.0] and rows[0]["model"] == "SmolLM2-135M-Instruct"

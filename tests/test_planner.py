@@ -212,3 +212,20 @@ def test_smollm2_prediction_within_15_percent_of_the_measured_peak(smollm2, tmp_
     measured, predicted = data["measured_peak"], data["predicted_used"]
     assert (data["budget"], data["chunk"]) == (1024, 512)
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+
+
+def test_verify_loads_the_weights_and_kv_it_plans_for(tmp_path):
+    """`plan --verify --weights int8 --kv int4` measures an int8 model with an int4 cache, not the default."""
+    from types import SimpleNamespace
+
+    from localchat.profile_cli import load_measured
+    from tiny import save_tiny
+
+    args = SimpleNamespace(model=str(save_tiny(tmp_path)), weights="int8", kv="int4", chunk=32, positions=None,
+                           policy="full", budget=None, stabilizers=None, local=None)
+    engine, baseline = load_measured(args)
+    assert baseline > 0 and engine.weights == "int8" and engine.kv == "int4"
+    assert type(engine.model.model.layers[0].self_attn.q_proj).__name__ != "Linear"  # quantized
+    args.weights, args.kv = None, "bf16"  # a profile's full-precision KV dtype means no quantization
+    engine, _ = load_measured(args)
+    assert engine.kv == "none" and type(engine.model.model.layers[0].self_attn.q_proj).__name__ == "Linear"

@@ -81,6 +81,11 @@ def _row(label: str, policy: str, positions: str, length: int, done: Done) -> di
     }
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 @torch.inference_mode()
 def hf_dynamic_cache(model, ids: list[int], chunk: int, new: int) -> Done:
     """Full attention through transformers' DynamicCache: chunked prefill, then greedy steps."""
@@ -92,6 +97,7 @@ def hf_dynamic_cache(model, ids: list[int], chunk: int, new: int) -> Done:
     t0 = time.perf_counter()
     for start in range(0, prompt.shape[-1], chunk):
         out = model(input_ids=prompt[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    _sync(device)
     prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     for i in range(new):
@@ -99,6 +105,7 @@ def hf_dynamic_cache(model, ids: list[int], chunk: int, new: int) -> Done:
         if i == new - 1:
             break
         out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+    _sync(device)
     decode_s = time.perf_counter() - t1
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     return Done(text="", prompt_tokens=len(ids), new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,

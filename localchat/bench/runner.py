@@ -159,6 +159,7 @@ def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
             if key not in config.engines:
                 from localchat.bench.cell import load_engine
 
+                _drop_engines(config.engines)  # one model resident: a CUDA peak must not count another's weights
                 config.engines[key] = load_engine(cell)
             run_cell(cell, examples, path, engine=config.engines[key], memory="in-process",
                      progress=(at, total), command=config.command, say=say)
@@ -167,6 +168,17 @@ def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
         at += len(examples)
     say(f"bench: results in {path}; tables and plots: localchat bench report {config.out}")
     return path
+
+
+def _drop_engines(engines: dict) -> None:
+    import gc
+
+    import torch
+
+    engines.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _run_subprocess(cell: Cell, examples: list[int], path: Path, progress: tuple[int, int], command: str) -> None:
