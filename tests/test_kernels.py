@@ -182,3 +182,18 @@ def test_fused_decode_gives_the_same_answer_as_dequantize_then_sdpa(tiny_tok, po
     calls.clear()
     assert fused_tokens == run(False)
     assert not calls
+
+
+def test_bench_kernels_micro_writes_its_tables(tmp_path):
+    """`localchat bench kernels --micro-only`: the twin and the old path timed per shape (Triton too on CUDA)."""
+    import json
+
+    from localchat.cli import main
+
+    assert main(["bench", "kernels", "--micro-only", "--units", "64", "--reps", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kernels.json").read_text())
+    rows = {r["kernel"]: r for r in result["micro"]}
+    assert set(rows) == {"decode_attention", "gather_rotate", "select"}
+    assert rows["decode_attention"]["twin_ms"] > 0 and rows["decode_attention"]["dequant_sdpa_ms"] > 0
+    assert ("triton_ms" in rows["gather_rotate"]) == torch.cuda.is_available()
+    assert "## `decode_attention`" in (tmp_path / "kernels.md").read_text()

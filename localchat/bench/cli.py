@@ -71,6 +71,7 @@ def add_parser(subparsers) -> None:
     kern.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per mode (default 64)")
     kern.add_argument("--reps", type=int, default=50, help="timed calls per kernel (median; default 50)")
     kern.add_argument("--micro-only", action="store_true", help="only the kernels on random inputs (no model)")
+    kern.add_argument("--units", default="1024,4096,16384", help="cache lengths of the decode-attention rows")
     _engine_flags(kern)
 
 
@@ -183,7 +184,7 @@ def _run_kernels(args) -> int:
         raise UserError("bench kernels needs --out DIR (where kernels.json and kernels.md go)")
     config = KernelConfig(out=Path(args.out), model=getattr(args, "model", None), length=parse_length(args.length),
                           budget=args.budget, decode_tokens=args.decode_tokens, reps=args.reps,
-                          micro_only=args.micro_only,
+                          micro_only=args.micro_only, units=tuple(_ints(args.units, "units")),
                           seed=getattr(args, "seed", 0) or 0,
                           command=shlex.join(["localchat", "bench", "kernels", *sys.argv[sys.argv.index("kernels") + 1:]])
                           if "kernels" in sys.argv else "localchat bench kernels")

@@ -33,6 +33,7 @@ class KernelConfig:
     reps: int = 50
     seed: int = 0
     micro_only: bool = False
+    units: tuple[int, ...] = (1024, 4096, 16384)  # cache lengths of the decode-attention rows
     command: str = ""
 
 
@@ -62,7 +63,7 @@ def _old_path(query, quant, tail_k, tail_v, bits, group, scaling, inv):
         query, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), scale=scaling)
 
 
-def micro(reps: int, device: torch.device) -> list[dict]:
+def micro(reps: int, device: torch.device, units=(1024, 4096, 16384)) -> list[dict]:
     from localchat.engine.qcache import group_size, quantize
 
     cuda = device.type == "cuda"
@@ -72,7 +73,7 @@ def micro(reps: int, device: torch.device) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     for name, hq, h, d in (("smollm2", 9, 3, 64), ("llama3-8b", 32, 8, 128)):
         inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
-        for n in (1024, 4096, 16384):
+        for n in units:
             for bits in (4, 2):
                 quant = {}
                 for names in (("qk", "ks", "kz"), ("qv", "vs", "vz")):
@@ -151,7 +152,7 @@ def measure(config: KernelConfig, say=lambda s: None) -> dict:
         e2e, engine = end_to_end(config, say)
         model, device = engine.name, engine.device
     say("kernels: micro")
-    rows = micro(config.reps, device)
+    rows = micro(config.reps, device, config.units)
     fused = next((r for r in e2e if "Triton" in r["mode"]), None)
     old = next((r for r in e2e if "dequantize" in r["mode"]), None)
     return {
