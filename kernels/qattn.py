@@ -20,9 +20,6 @@ import torch
 
 from localchat.kernels import use_triton
 
-BLOCK = 64  # units per inner step
-MIN_SPLIT = 128  # units per program, at least
-
 
 def decode_attention(query, quant, tail_k, tail_v, bits: int, group: int, scaling: float, inv_freq=None):
     if use_triton(query):
