@@ -129,6 +129,7 @@ def end_to_end(config: KernelConfig, say):
     if engine.device.type != "cuda":
         modes = modes[1:]
     rows = []
+    asked = os.environ.get("LOCALCHAT_KERNELS")
     for label, kv, fused, kind in modes:
         os.environ["LOCALCHAT_KERNELS"] = kind or "torch"
         kernels.reset_backend()
@@ -138,7 +139,10 @@ def end_to_end(config: KernelConfig, say):
         done = _run(engine, ids, config.decode_tokens)
         rows.append({"mode": label, "kv": kv, "prompt_tokens": done.prompt_tokens, "new_tokens": done.new_tokens,
                      "decode_tok_s": round(done.decode_tps, 2), "kv_mib": round(done.kv_bytes / 2**20, 2)})
-    os.environ.pop("LOCALCHAT_KERNELS", None)
+    if asked is None:  # the caller's choice back
+        os.environ.pop("LOCALCHAT_KERNELS", None)
+    else:
+        os.environ["LOCALCHAT_KERNELS"] = asked
     kernels.reset_backend()
     return rows, engine
 

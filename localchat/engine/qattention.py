@@ -63,10 +63,6 @@ class FusedDecode:
         for layer in self.layers:
             layer.defer = True
 
-    @property
-    def active(self) -> bool:
-        return self.switch is not None
-
     def close(self) -> None:
         for layer in self.layers:
             layer.defer = False

@@ -224,16 +224,11 @@ class QuantizedKVLayer(KVLayer):
 
     def dequantized(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The quantized part as full-precision keys, values `[1, H, nq, d]` (keys at their slots in compact mode)."""
+        from localchat.kernels.qattn import dequantized_keys_values
+
         dtype = dtype or self.dtype
-        d = self._tk.shape[-1] if self._tk is not None else self._q["qk"].shape[-1] * 8 // self.bits
-        g = group_size(d)
-        q = {name: t[:, :, : self.nq] for name, t in self._q.items()}
-        keys = dequantize(q["qk"], q["ks"], q["kz"], self.bits, g, torch.float32)
-        if self.inv_freq is not None:
-            cos, sin = rope_table(torch.arange(self.nq, device=keys.device), self.inv_freq)
-            keys = _rotate(keys, cos, sin)
-        values = dequantize(q["qv"], q["vs"], q["vz"], self.bits, g, dtype)
-        return keys.to(dtype), values
+        keys, values = dequantized_keys_values(self.quantized(), self.bits, group_size(self.head_dim), self.inv_freq)
+        return keys.to(dtype), values.to(dtype)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -298,7 +293,7 @@ class QuantizedKVLayer(KVLayer):
         out = {name: t[:, :, : self.nq] for name, t in self._q.items()}
         tk = self._tk[:, :, : self.nt] if self._tk is not None else None
         if tk is None:  # the tail was never allocated: an empty one of the right shape
-            d = self._q["qk"].shape[-1] * 8 // self.bits
+            d = self.head_dim
             tk = torch.empty((1, self._q["qk"].shape[1], 0, d), device=self._s.device, dtype=self.dtype)
         out.update(tk=tk, tv=self._tv[:, :, : self.nt] if self._tv is not None else tk,
                    s=self.scores, p=self.positions)
@@ -357,7 +352,7 @@ class QuantizedKVCache(KVCache):
         total = 0
         for layer in self.layers:
             if layer._q is not None:
-                h, d = layer._q["qk"].shape[1], layer._q["qk"].shape[-1] * 8 // self.bits
+                h, d = layer._q["qk"].shape[1], layer.head_dim
                 total += 2 * h * d * torch.empty((), dtype=layer.dtype).element_size()
         return total
 
