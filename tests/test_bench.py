@@ -157,9 +157,11 @@ def test_perf_writes_every_row(tiny_dir, tmp_path, capsys):
     assert main(argv) == 0
     result = json.loads((tmp_path / "perf.json").read_text())
     rows = result["side_by_side"]
-    assert [r["policy"] for r in rows] == ["full", "locret", "full"] and "DynamicCache" in rows[2]["row"]
+    assert [r["policy"] for r in rows] == ["full", "locret", "full", "full"] and "DynamicCache" in rows[2]["row"]
+    assert rows[3]["row"].startswith("floor") and rows[3]["kv_mib"] < rows[1]["kv_mib"]
     assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["new_tokens"] == 3 for r in rows)
     assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"] == rows[2]["prompt_tokens"]
+    assert result["ratios"]["decode_bound_from_bytes"] > 1 and result["ratios"]["decode_floor_vs_full"] > 0
     assert rows[1]["kv_mib"] < rows[0]["kv_mib"] == rows[2]["kv_mib"]
     assert [r["length"] for r in result["locret_scaling"]] == [128, 256, 300]
     assert set(result["ratios"]) >= {"prefill_locret_vs_full", "decode_locret_vs_full",

@@ -54,6 +54,45 @@ def test_each_unit_is_scored_once_when_it_enters():
     policy.detach()
 
 
+def test_decoded_tokens_are_scored_in_one_batch_with_the_same_scores():
+    """Decode steps queue their Q, K, V; the batch scores equal each step's own scores, in the right slots,
+    and an eviction (or detach) scores the queue first."""
+    model = tiny_llama(300, layers=2, q_heads=4, kv_heads=2)
+    heads = RetainingHeads.random(model, d_r=24, seed=2)
+    policy = make_policy("locret", heads=heads, budget=40, stabilizers=8, local=0)
+    cache = KVCache(2, positions="compact", inv_freq=rope_inv_freq(model))
+    steps: list[dict[int, torch.Tensor]] = []
+    attns = [layer.self_attn for layer in model.model.layers]
+    hooks = [a.register_forward_pre_hook(lambda m, args, kw, i=i: steps[-1].__setitem__(i, kw["hidden_states"][0]),
+                                         with_kwargs=True) for i, a in enumerate(attns)]
+    policy.attach(model, cache)
+    ids = torch.randint(0, 300, (1, 60))
+    with torch.inference_mode():
+        steps.append({})
+        forward(model, cache, ids, 0)
+        policy.observe(cache, 60, ids)
+        for t in range(5):
+            steps.append({})
+            forward(model, cache, ids[:, t:t + 1], 60 + t)
+            policy.observe(cache, 1, ids[:, t:t + 1])
+        assert policy.scorer.queued() == 5 and cache.layers[0].scores[:, -5:].abs().sum() == 0  # not scored yet
+        policy._flush(cache)
+    for i, a in enumerate(attns):
+        h = torch.cat([s[i] for s in steps[1:]])
+        qkv = torch.cat([torch.nn.functional.linear(h, p.weight) for p in (a.q_proj, a.k_proj, a.v_proj)], dim=-1)
+        assert torch.allclose(cache.layers[i].scores[:, -5:], heads.layers[i](qkv).T, atol=1e-5)
+    with torch.inference_mode():
+        forward(model, cache, ids[:, :1], 65)
+        policy.observe(cache, 1, ids[:, :1])
+        assert evict(cache, policy, last_chunk=True) and policy.scorer.queued() == 0
+        forward(model, cache, ids[:, 1:2], 66)
+        policy.observe(cache, 1, ids[:, 1:2])
+    policy.detach()
+    for hook in hooks:
+        hook.remove()
+    assert policy.scorer.queued() == 0 and cache.layers[1].scores[:, -1].abs().sum() > 0
+
+
 def test_save_load_round_trip_and_mismatch(tmp_path):
     model = tiny_llama(300, layers=2, q_heads=4, kv_heads=2)
     heads = RetainingHeads.random(model, d_r=24, seed=3)

@@ -6,7 +6,11 @@
 2. An extra, labelled row: `full` through transformers' stock DynamicCache, the HF default path
    (`model(..., past_key_values=DynamicCache(config=model.config))`, the same chunks, then one token
    per step, greedy): earlier prototypes compared against it.
-3. LOCRET time per token from `lengths[0]` to `lengths[-1]` (compact positions): a flat line means
+3. A floor row: `full` decoding after a 64-token prompt, i.e. almost only the weights are read per
+   step. No cache policy can decode faster than this, so floor / full bounds any policy's decode
+   speedup at `length` on this machine. Next to it, the bound a byte count predicts for a memory-bound
+   step: (weights + full KV) / (weights + kept KV).
+4. LOCRET time per token from `lengths[0]` to `lengths[-1]` (compact positions): a flat line means
    the total cost grows linearly with the length.
 Speed does not depend on the heads' weights, only on their size: `--heads random` is the default.
 """
@@ -27,6 +31,8 @@ from localchat.bench.tasks import niah_single, prompt_messages
 from localchat.engine.events import Done, Error
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
+
+FLOOR_PROMPT = 64  # tokens before the floor row's decode: a cache that is almost empty
 
 
 @dataclass
@@ -144,6 +150,9 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
     say("perf: full through transformers DynamicCache")
     hf = _row("full (transformers DynamicCache, HF default path)", "full", "original", config.length,
               hf_dynamic_cache(engine.model, ids, engine.chunk, config.decode_tokens))
+    say(f"perf: floor, full after a {FLOOR_PROMPT}-token prompt")
+    floor = _row(f"floor: full after a {FLOOR_PROMPT}-token prompt (weights only)", "full", "original",
+                 FLOOR_PROMPT, _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
     budget = config.budget or (engine.card.locret.get("budget") if engine.card else None) or 1024
     use_policy(engine, cell("locret", budget, "compact"))
     say(f"perf: locret b={budget}")
@@ -155,6 +164,9 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
         scaling.append(_row("locret", "locret", "compact", n, done))
     per_token = [r["total_ms_per_token"] for r in scaling]
     policy = engine.policy
+    from localchat.engine.quantize import weight_bytes
+
+    weights_mib = weight_bytes(engine.model) / 2**20
     return {
         "command": config.command,
         "setup": {
@@ -167,7 +179,8 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "date": time.strftime("%Y-%m-%d"), "peak_rss_bytes": machine.max_rss_bytes(),
         },
         "hardware": machine.hardware(), "versions": machine.versions(),
-        "side_by_side": [full, locret, hf],
+        "side_by_side": [full, locret, hf, floor],
+        "weights_mib": round(weights_mib, 1),
         "locret_scaling": scaling,
         "ratios": {
             "prefill_locret_vs_full": round(locret["prefill_tok_s"] / full["prefill_tok_s"], 2),
@@ -175,6 +188,8 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "decode_locret_vs_hf_dynamic_cache": round(locret["decode_tok_s"] / hf["decode_tok_s"], 2),
             "decode_full_vs_hf_dynamic_cache": round(full["decode_tok_s"] / hf["decode_tok_s"], 2),
             "kv_smaller_than_full": round(full["kv_mib"] / locret["kv_mib"], 2) if locret["kv_mib"] else None,
+            "decode_floor_vs_full": round(floor["decode_tok_s"] / full["decode_tok_s"], 2),
+            "decode_bound_from_bytes": round((weights_mib + full["kv_mib"]) / (weights_mib + locret["kv_mib"]), 2),
             "total_ms_per_token_spread": round(max(per_token) / min(per_token) - 1, 3) if per_token else None,
         },
     }
@@ -207,6 +222,10 @@ def markdown(result: dict) -> str:
         f"{r['decode_full_vs_hf_dynamic_cache']}x; KV {r['kv_smaller_than_full']}x smaller.", "",
         "The DynamicCache row is the stock transformers path (a cache that concatenates per token), labelled "
         "apart; the `full (ours)` row is this engine's in-place cache.", "",
+        f"Decode ceiling: the floor row (an almost empty cache, so each step reads little more than the "
+        f"{result['weights_mib']} MiB of weights) decodes {r['decode_floor_vs_full']}x faster than `full (ours)`; "
+        f"no cache policy can beat that at this length on this machine. The byte count of a memory-bound step, "
+        f"(weights + full KV) / (weights + LOCRET's KV), predicts {r['decode_bound_from_bytes']}x.", "",
         f"## LOCRET time per token vs length (compact positions, decode {s['scaling_decode_tokens']} tokens)", "",
         *_table(result["locret_scaling"]), "",
     ]

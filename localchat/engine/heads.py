@@ -160,7 +160,12 @@ def hook_qkv(model, on_qkv) -> list:
 
 
 class HeadScorer:
-    """Forward hooks on q/k/v projections; after a forward, `take(i)` gives layer i's new scores `[H_kv, T]`."""
+    """Forward hooks on q/k/v projections; after a forward, `take(i)` gives layer i's new scores `[H_kv, T]`.
+
+    A one-token forward (a decoding step) is not scored at once: its pre-RoPE Q, K, V wait in a queue,
+    and `flush()` scores every queued token of every layer in one batch when the scores are next needed
+    (before an eviction, at the end of a generation). The head is per token, so the scores are the same.
+    """
 
     def __init__(self, model, heads: RetainingHeads):
         heads.check_fits(model)
@@ -169,14 +174,31 @@ class HeadScorer:
         self.heads.eval().requires_grad_(False)
         self.dtype = next(self.heads.parameters()).dtype
         self.new: list[torch.Tensor | None] = [None] * len(heads.layers)
+        self.queue: list[list[torch.Tensor]] = [[] for _ in heads.layers]
         self.handles = hook_qkv(model, self._score)
 
     def _score(self, i: int, qkv: torch.Tensor) -> None:
-        self.new[i] = self.heads.layers[i](qkv.to(self.dtype)).T.float()  # [H_kv, T]
+        if qkv.shape[0] == 1:
+            self.queue[i].append(qkv)
+        else:
+            self.new[i] = self._run(i, qkv)
+
+    def _run(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
+        return self.heads.layers[i](qkv.to(self.dtype)).T.float()  # [H_kv, T]
 
     def take(self, i: int) -> torch.Tensor:
         scores, self.new[i] = self.new[i], None
         return scores
+
+    def queued(self) -> int:
+        """Single tokens waiting to be scored (the same count in every layer)."""
+        return len(self.queue[-1])
+
+    def flush(self) -> list[torch.Tensor]:
+        """Scores `[H_kv, P]` per layer of the P queued tokens, oldest first; empties the queue."""
+        out = [self._run(i, torch.cat(q)) if q else None for i, q in enumerate(self.queue)]
+        self.queue = [[] for _ in self.queue]
+        return out
 
     def close(self) -> None:
         for h in self.handles:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from localchat.engine.heads import HeadScorer, RetainingHeads
 from localchat.engine.policies.base import Policy, protect_recent
 
@@ -31,14 +33,32 @@ class Locret(Policy):
 
             raise UserError("LOCRET needs retaining heads for this model; pass --heads DIR (or --heads random)")
         self.scorer = HeadScorer(model, self.heads)
+        self.cache = cache
 
     def observe(self, cache, n_new, ids) -> None:
+        if n_new == 1:  # a decoded token: the scorer queues it, `_flush` scores the queue in one batch
+            return
+        self._flush(cache, skip=n_new)
         for i, layer in enumerate(cache.layers):
             layer.scores[:, -n_new:] = self.scorer.take(i)[:, -n_new:]
 
+    @torch.inference_mode()
+    def _flush(self, cache, skip: int = 0) -> None:
+        """Score the queued single tokens: the units just before the `skip` newest."""
+        count = self.scorer.queued()
+        if count == 0:
+            return
+        for layer, scores in zip(cache.layers, self.scorer.flush()):
+            end = layer.get_seq_length() - skip
+            layer.scores[:, end - count:end] = scores
+
     def priority(self, layer, layer_idx, last_chunk):
+        if getattr(self, "cache", None) is not None:  # attached: queued tokens get their scores first
+            self._flush(self.cache)
         prio = layer.scores.clone()
         return prio if last_chunk else protect_recent(prio, self.stabilizers)
 
     def detach(self) -> None:
+        self._flush(self.cache)  # the answer's tokens keep their scores for the next turn
         self.scorer.close()
+        self.cache = None
