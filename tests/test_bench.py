@@ -153,9 +153,14 @@ def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
 
 def test_perf_writes_every_row(tiny_dir, tmp_path, capsys):
     argv = ["bench", "perf", "--out", str(tmp_path), "--model", tiny_dir, "--chunk", "64", "--length", "256",
-            "--min-length", "128", "--max-length", "300", "--budget", "64", "--decode-tokens", "3"]
+            "--min-length", "128", "--max-length", "300", "--budget", "64", "--decode-tokens", "3", "--repeat", "2"]
     assert main(argv) == 0
     result = json.loads((tmp_path / "perf.json").read_text())
+    runs = result["runs"]["side_by_side"]
+    assert len(runs) == 2 and len(result["runs"]["locret_scaling"][0]) == 2 and result["setup"]["repeat"] == 2
+    for i, row in enumerate(result["side_by_side"]):  # each reported number is the median of the runs
+        assert row["decode_tok_s"] == pytest.approx((runs[0][i]["decode_tok_s"] + runs[1][i]["decode_tok_s"]) / 2)
+    assert len(result["ratios"]["decode_locret_vs_full_per_run"]) == 2
     rows = result["side_by_side"]
     assert [r["policy"] for r in rows] == ["full", "locret", "full", "full"] and "DynamicCache" in rows[2]["row"]
     assert rows[3]["row"].startswith("floor") and rows[3]["kv_mib"] < rows[1]["kv_mib"]
@@ -168,7 +173,8 @@ def test_perf_writes_every_row(tiny_dir, tmp_path, capsys):
                                      "decode_locret_vs_hf_dynamic_cache", "decode_full_vs_hf_dynamic_cache"}
     assert result["command"].startswith("localchat bench perf --out") and result["hardware"]["cores"]
     md = (tmp_path / "perf.md").read_text()
-    assert "transformers DynamicCache" in md and result["command"] in md
+    assert "transformers DynamicCache" in md and result["command"] in md and "--repeat 2" in md
+    assert "median of 2 runs" in md
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,8 @@ def add_parser(subparsers) -> None:
     perf.add_argument("--max-length", default="32768", help="longest length of the scaling run (default 32768)")
     perf.add_argument("--budget", type=int, default=None, help="LOCRET budget (default: the model card's)")
     perf.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded side by side (default 64)")
+    perf.add_argument("--repeat", type=int, default=1,
+                      help="measure every row this many times, interleaved; report the medians (default 1)")
     _engine_flags(perf)
     kern = sub.add_parser("kernels", help="each Triton kernel vs its torch twin; int4-KV decode end to end")
     kern.add_argument("--out", help="directory for kernels.json and kernels.md")
@@ -104,6 +106,8 @@ def _command(args, perf: bool) -> str:
     if perf:
         parts += ["perf", "--out", args.out or "", "--length", args.length, "--min-length", args.min_length,
                   "--max-length", args.max_length, "--decode-tokens", str(args.decode_tokens)]
+        if args.repeat != 1:
+            parts += ["--repeat", str(args.repeat)]
         if args.budget is not None:
             parts += ["--budget", str(args.budget)]
     else:
@@ -205,7 +209,7 @@ def _run_perf(args) -> int:
         out=Path(args.out), model=getattr(args, "model", None), chunk=getattr(args, "chunk", None),
         length=parse_length(args.length), lengths=doubling(low, high), budget=args.budget,
         heads=getattr(args, "heads", None) or "random", decode_tokens=args.decode_tokens,
-        seed=getattr(args, "seed", 0) or 0, command=_command(args, perf=True),
+        seed=getattr(args, "seed", 0) or 0, repeat=args.repeat, command=_command(args, perf=True),
     )
     path = run_perf(config, say=_say)
     print(path.read_text(encoding="utf-8"))

@@ -12,12 +12,16 @@
    step: (weights + full KV) / (weights + kept KV).
 4. LOCRET time per token from `lengths[0]` to `lengths[-1]` (compact positions): a flat line means
    the total cost grows linearly with the length.
+With `repeat` R > 1 every row is measured R times (the side-by-side rows interleaved, then the
+lengths of the scaling run interleaved) and each number in the tables is the median over the R runs; the single
+runs are kept in perf.json under `runs`. This machine's speed drifts while other work shares it.
 Speed does not depend on the heads' weights, only on their size: `--heads random` is the default.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +51,7 @@ class PerfConfig:
     decode_tokens: int = 64
     scaling_decode_tokens: int = 16
     seed: int = 0
+    repeat: int = 1
     command: str = ""
 
 
@@ -87,6 +92,15 @@ def _row(label: str, policy: str, positions: str, length: int, done: Done) -> di
     }
 
 
+def median_row(rows: list[dict]) -> dict:
+    """One row whose numbers are the medians over `rows` (the same row measured several times)."""
+    out = dict(rows[0])
+    for key, value in out.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in rows)
+    return out
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -124,7 +138,7 @@ def check(config: PerfConfig) -> None:
         if not MIN_LENGTH <= n <= MAX_LENGTH:
             raise UserError(f"length {n} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
     for value, what in ((config.decode_tokens, "--decode-tokens"), (config.chunk, "--chunk"),
-                        (config.budget, "--budget")):
+                        (config.budget, "--budget"), (config.repeat, "--repeat")):
         if value is not None and value < 1:
             raise UserError(f"{what} must be at least 1 (got {value})")
 
@@ -143,25 +157,33 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
         raise UserError(f"--length {config.length} must be below {engine.name}'s window ({engine.window}) "
                         f"for full attention at original positions")
     ids = _prompt(engine, config.length, config.seed)
-    use_policy(engine, cell("full", None, "original"))
-    say(f"perf: full, {len(ids)} tokens")
-    full = _row("full (ours: in-place KVCache)", "full", "original", config.length,
-                _run(engine, ids, config.decode_tokens))
-    say("perf: full through transformers DynamicCache")
-    hf = _row("full (transformers DynamicCache, HF default path)", "full", "original", config.length,
-              hf_dynamic_cache(engine.model, ids, engine.chunk, config.decode_tokens))
-    say(f"perf: floor, full after a {FLOOR_PROMPT}-token prompt")
-    floor = _row(f"floor: full after a {FLOOR_PROMPT}-token prompt (weights only)", "full", "original",
-                 FLOOR_PROMPT, _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
     budget = config.budget or (engine.card.locret.get("budget") if engine.card else None) or 1024
-    use_policy(engine, cell("locret", budget, "compact"))
-    say(f"perf: locret b={budget}")
-    locret = _row("locret", "locret", "compact", config.length, _run(engine, ids, config.decode_tokens))
-    scaling = []
-    for n in config.lengths:
-        say(f"perf: locret scaling, {n} tokens")
-        done = _run(engine, _prompt(engine, n, config.seed), config.scaling_decode_tokens)
-        scaling.append(_row("locret", "locret", "compact", n, done))
+    runs: dict[str, list[list[dict]]] = {"side_by_side": [], "locret_scaling": []}
+    for rep in range(config.repeat):
+        tag = f" (run {rep + 1}/{config.repeat})" if config.repeat > 1 else ""
+        use_policy(engine, cell("full", None, "original"))
+        say(f"perf: full, {len(ids)} tokens{tag}")
+        full = _row("full (ours: in-place KVCache)", "full", "original", config.length,
+                    _run(engine, ids, config.decode_tokens))
+        say(f"perf: full through transformers DynamicCache{tag}")
+        hf = _row("full (transformers DynamicCache, HF default path)", "full", "original", config.length,
+                  hf_dynamic_cache(engine.model, ids, engine.chunk, config.decode_tokens))
+        say(f"perf: floor, full after a {FLOOR_PROMPT}-token prompt{tag}")
+        floor = _row(f"floor: full after a {FLOOR_PROMPT}-token prompt (weights only)", "full", "original",
+                     FLOOR_PROMPT, _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
+        use_policy(engine, cell("locret", budget, "compact"))
+        say(f"perf: locret b={budget}{tag}")
+        locret = _row("locret", "locret", "compact", config.length, _run(engine, ids, config.decode_tokens))
+        runs["side_by_side"].append([full, locret, hf, floor])
+    prompts = [_prompt(engine, n, config.seed) for n in config.lengths]
+    runs["locret_scaling"] = [[] for _ in config.lengths]
+    for rep in range(config.repeat):  # lengths interleaved: a drift of the machine's speed hits them all
+        tag = f" (run {rep + 1}/{config.repeat})" if config.repeat > 1 else ""
+        for n, prompt, reps in zip(config.lengths, prompts, runs["locret_scaling"]):
+            say(f"perf: locret scaling, {n} tokens{tag}")
+            reps.append(_row("locret", "locret", "compact", n, _run(engine, prompt, config.scaling_decode_tokens)))
+    full, locret, hf, floor = (median_row([r[i] for r in runs["side_by_side"]]) for i in range(4))
+    scaling = [median_row(reps) for reps in runs["locret_scaling"]]
     per_token = [r["total_ms_per_token"] for r in scaling]
     policy = engine.policy
     from localchat.engine.quantize import weight_bytes
@@ -173,6 +195,7 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "model": engine.name, "model_spec": config.model, "device": engine.device.type, "chunk": engine.chunk,
             "length": config.length, "scaling_lengths": config.lengths, "decode_tokens": config.decode_tokens,
             "scaling_decode_tokens": config.scaling_decode_tokens, "seed": config.seed, "heads": config.heads,
+            "repeat": config.repeat,
             "locret": {"budget": policy.budget, "stabilizers": getattr(policy, "stabilizers", None),
                        "local": policy.local},
             "prompt": "niah_single document at depth 0.5 in the app's layout (render.user_turn)",
@@ -182,6 +205,7 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
         "side_by_side": [full, locret, hf, floor],
         "weights_mib": round(weights_mib, 1),
         "locret_scaling": scaling,
+        "runs": runs,
         "ratios": {
             "prefill_locret_vs_full": round(locret["prefill_tok_s"] / full["prefill_tok_s"], 2),
             "decode_locret_vs_full": round(locret["decode_tok_s"] / full["decode_tok_s"], 2),
@@ -190,6 +214,8 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "kv_smaller_than_full": round(full["kv_mib"] / locret["kv_mib"], 2) if locret["kv_mib"] else None,
             "decode_floor_vs_full": round(floor["decode_tok_s"] / full["decode_tok_s"], 2),
             "decode_bound_from_bytes": round((weights_mib + full["kv_mib"]) / (weights_mib + locret["kv_mib"]), 2),
+            "decode_locret_vs_full_per_run": [round(r[1]["decode_tok_s"] / r[0]["decode_tok_s"], 2)
+                                              for r in runs["side_by_side"]],
             "total_ms_per_token_spread": round(max(per_token) / min(per_token) - 1, 3) if per_token else None,
         },
     }
@@ -214,12 +240,16 @@ def markdown(result: dict) -> str:
         f"seed {s['seed']}).", "",
         f"Setup: chunk {s['chunk']}; LOCRET b={s['locret']['budget']}, n_s={s['locret']['stabilizers']}, "
         f"n_loc={s['locret']['local']}, heads {s['heads']}; decode {s['decode_tokens']} tokens (greedy, EOS "
-        f"ignored); prompt: {s['prompt']}.", "",
+        f"ignored); prompt: {s['prompt']}."
+        + (f" Every number is the median of {s['repeat']} runs (interleaved; single runs in perf.json)."
+           if s.get("repeat", 1) > 1 else ""), "",
         f"## {s['length']}-token document, side by side", "", *_table(result["side_by_side"]), "",
         f"Ratios: prefill LOCRET / full (ours) {r['prefill_locret_vs_full']}x; decode LOCRET / full (ours) "
         f"{r['decode_locret_vs_full']}x; decode LOCRET / full (transformers DynamicCache) "
         f"{r['decode_locret_vs_hf_dynamic_cache']}x; decode full (ours) / full (DynamicCache) "
-        f"{r['decode_full_vs_hf_dynamic_cache']}x; KV {r['kv_smaller_than_full']}x smaller.", "",
+        f"{r['decode_full_vs_hf_dynamic_cache']}x; KV {r['kv_smaller_than_full']}x smaller."
+        + (f" Decode LOCRET / full (ours) in each run: {', '.join(f'{x}x' for x in r['decode_locret_vs_full_per_run'])}."
+           if len(r.get("decode_locret_vs_full_per_run", [])) > 1 else ""), "",
         "The DynamicCache row is the stock transformers path (a cache that concatenates per token), labelled "
         "apart; the `full (ours)` row is this engine's in-place cache.", "",
         f"Decode ceiling: the floor row (an almost empty cache, so each step reads little more than the "
