@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from localchat.engine.events import Done, Progress, Token
-from localchat.engine.policies import make_policy
+from localchat.engine.policies import POLICIES, make_policy
 from localchat.tui.widgets.chat_list import ChatList
 from localchat.tui.widgets.progress import PrefillProgress
 from localchat.tui.widgets.retained import RetainedMap
@@ -400,5 +402,34 @@ def test_ctrl_o_file_picker_attaches_the_chosen_file(tiny_engine, tmp_path):
         await pilot.press("enter")
         await settle(pilot)
         assert chips(app) == [f"picked.txt · {tiny_engine.count_tokens(path.read_text()):,} tokens ✕"]
+
+    run(scenario, make_app(tiny_engine))
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"locret"}))  # LOCRET in the window: test_tui_model.py
+def test_every_policy_answers_about_a_document_in_the_window(tiny_engine, tmp_path, name):
+    """`/policy NAME` (and `/budget 128` where the policy takes one), a document, a question: an answer,
+    no error, and the cache within what the policy may hold."""
+    path = doc(tmp_path, "long.txt", 1500)
+
+    async def scenario(app, pilot):
+        seen = record_events(app)
+        await type_text(pilot, f"/policy {name}")
+        assert tiny_engine.policy.name == name
+        cls = POLICIES[name]
+        if cls.evicts or cls.selects:
+            await type_text(pilot, "/budget 128")
+            assert tiny_engine.policy.budget == 128
+        await paste(pilot, str(path))
+        await settle(pilot)
+        await type_text(pilot, "what is the pass key?")
+        await settle(pilot)
+        assert errors(app) == [] and len(answers(app)) == 1 and app.session.turns == 1
+        (done,) = [e for e in seen if isinstance(e, Done)]
+        assert done.prompt_tokens > tiny_engine.count_tokens(path.read_text()) and done.new_tokens > 0
+        if cls.evicts:  # budget + local tail + the answer (SAGE-KV: + its recent window)
+            assert done.kv_tokens <= 128 + tiny_engine.policy.local + done.new_tokens + tiny_engine.policy.decode_window
+        else:
+            assert done.kv_tokens >= done.prompt_tokens
 
     run(scenario, make_app(tiny_engine))

@@ -100,7 +100,7 @@ class LocalChatApp(App):
         self.session.set_policy(policy, positions)
         self.policy_args = {**args, "positions": positions}
         self.profile_name = profile.name
-        budget = f", budget {policy.budget:,}" if policy.evicts else ""
+        budget = f", budget {policy.budget:,}" if policy.evicts or policy.selects else ""
         later = [k for k in ("model", "weights", "kv", "margin_mib") if k in values]
         rest = f" Restart with --profile {profile.name} for its {', '.join(later)}." if later else ""
         again = " The next question re-reads this chat once." if self.session.turns else ""
@@ -119,6 +119,9 @@ class LocalChatApp(App):
         if engine.window and tokens >= engine.window:
             return (f"That is more than {engine.name} reads with full attention ({engine.window:,} tokens): "
                     f"/policy locret (or streaming) first, or the question will be refused.")
+        if policy.selects:
+            return (f"{policy.name} keeps every token and reads {policy.budget:,} units per KV head in its "
+                    f"sparse layers.")
         return "Full attention keeps every token."
 
     def key_for(self, ident: str) -> str:

@@ -65,7 +65,7 @@ class CommandHandlers:
     async def cmd_budget(self, arg: str) -> None:
         if not re.fullmatch(r"\d+", arg) or int(arg) < 1:
             raise UserError(f"/budget needs a whole number of units, at least 1 (got {arg or 'nothing'})")
-        if not self.app.engine.policy.evicts:
+        if not (self.app.engine.policy.evicts or self.app.engine.policy.selects):
             raise UserError(f"policy {self.app.engine.policy.name} keeps every token, so it has no budget; "
                             f"/policy locret first")
         self.app.change_policy(budget=int(arg))
@@ -74,6 +74,8 @@ class CommandHandlers:
     def _policy_changed(self) -> None:
         policy = self.app.engine.policy
         budget = f", budget {policy.budget:,} units" if policy.evicts else ""
+        if policy.selects:
+            budget = f", keeps every unit and reads {policy.budget:,} per KV head in its sparse layers"
         again = " The next question re-reads this chat once." if self.app.session.turns else ""
         self.note(f"policy {policy.name}{budget}.{again}")
         self.refresh_status()
@@ -93,7 +95,7 @@ class CommandHandlers:
             self.note(f"no model loaded yet. Profiles: {known}")
             return
         policy = engine.policy
-        budget = f"{policy.budget:,}" if policy.evicts else "none (keeps everything)"
+        budget = f"{policy.budget:,}" if policy.evicts or policy.selects else "none (keeps everything)"
         settings = self.app.settings
         plan = getattr(engine, "plan", None)
         lines = [f"model {engine.name} on {engine.device.type}; policy {policy.name}, budget {budget}, "
