@@ -93,6 +93,29 @@ def test_decoded_tokens_are_scored_in_one_batch_with_the_same_scores():
     assert policy.scorer.queued() == 0 and cache.layers[1].scores[:, -1].abs().sum() > 0
 
 
+def test_a_long_answer_is_scored_every_flush_every_tokens():
+    """The queue never holds more than FLUSH_EVERY tokens' Q, K, V, however long the answer."""
+    from localchat.engine.policies.locret import FLUSH_EVERY
+
+    model = tiny_llama(300, layers=2, q_heads=4, kv_heads=2)
+    policy = make_policy("locret", heads=RetainingHeads.random(model, d_r=24), budget=400, stabilizers=8, local=0)
+    cache = KVCache(2, positions="compact", inv_freq=rope_inv_freq(model))
+    policy.attach(model, cache)
+    longest = 0
+    with torch.inference_mode():
+        forward(model, cache, torch.randint(0, 300, (1, 20)), 0)
+        policy.observe(cache, 20, None)
+        for t in range(3 * FLUSH_EVERY + 5):
+            forward(model, cache, torch.randint(0, 300, (1, 1)), 20 + t)
+            policy.observe(cache, 1, None)
+            longest = max(longest, policy.scorer.queued())
+        scored = (cache.layers[0].scores != 0).all(0)
+        policy.detach()
+    assert longest == FLUSH_EVERY - 1  # the step that brings the queue to FLUSH_EVERY scores it
+    assert scored[: 20 + 3 * FLUSH_EVERY].all() and not scored[-5:].any()  # the last 5 wait for detach
+    assert (cache.layers[0].scores != 0).all()
+
+
 def test_save_load_round_trip_and_mismatch(tmp_path):
     model = tiny_llama(300, layers=2, q_heads=4, kv_heads=2)
     heads = RetainingHeads.random(model, d_r=24, seed=3)

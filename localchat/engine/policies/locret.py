@@ -10,6 +10,8 @@ import torch
 from localchat.engine.heads import HeadScorer, RetainingHeads
 from localchat.engine.policies.base import Policy, protect_recent
 
+FLUSH_EVERY = 32  # decoded tokens queued before they are scored: the queue's Q, K, V stay small
+
 
 @dataclass
 class Locret(Policy):
@@ -37,6 +39,8 @@ class Locret(Policy):
 
     def observe(self, cache, n_new, ids) -> None:
         if n_new == 1:  # a decoded token: the scorer queues it, `_flush` scores the queue in one batch
+            if self.scorer.queued() >= FLUSH_EVERY:
+                self._flush(cache)
             return
         self._flush(cache, skip=n_new)
         for i, layer in enumerate(cache.layers):
