@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The scheduled benchmark grid (bench/results/grid-smollm2-cpu/README.md) on a lent GPU, in 10-minute calls.
+#
+#   export PYTHONPATH=/tmp/site            # our wheels, as for scripts/gpu_session.sh
+#   bash scripts/gpu_grid.sh "$OUT"        # then copy $OUT/results.jsonl over bench/results/grid-smollm2-h100/
+#
+# Each call picks up where the last one stopped: bench/results/grid-smollm2-h100/results.jsonl travels with the
+# working tree to the device, the runner skips every example that has a row, and the grown file comes back in
+# OUT. The steps run in order until LIMIT_S (default 500) seconds are spent; one model stays resident
+# (--in-process; on CUDA a cell's peak memory is torch.cuda.max_memory_allocated, reset per cell).
+# Needs the default model's GGUF in $LOCALCHAT_CACHE_DIR (see scripts/gpu_session.sh); converts it once.
+
+set -o pipefail
+OUT=${1:?usage: scripts/gpu_grid.sh OUT_DIR}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.." || exit 1
+PY=${PY:-python3}
+LIMIT_S=${LIMIT_S:-500}
+DIR=bench/results/grid-smollm2-h100
+P=full,locret,random,streaming,h2o,snapkv,sirllm,sagekv,omnikv,roco,corm
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if ! "$PY" -c "import localchat.kernels, localchat.models, localchat.builtin_profiles" 2>/dev/null; then
+    for pair in kernels:kernels models:models builtin_profiles:profiles; do  # pyproject's package-dir, uninstalled
+        [ -e "localchat/${pair%%:*}" ] || ln -s "../${pair#*:}" "localchat/${pair%%:*}"
+    done
+fi
+T0=$(date +%s)
+left() { echo $((LIMIT_S - ($(date +%s) - T0))); }
+
+"$PY" -m localchat fetch-model >"$OUT/fetch.log" 2>&1 || { tail -3 "$OUT/fetch.log"; exit 1; }
+STEPS=(
+    "--tasks passkey,niah_single,niah_multikey --lengths 4k --policies $P --budgets 256,512,1024"
+    "--tasks multiturn --lengths 4k --policies $P --budgets 256,512,1024"
+    "--tasks passkey,niah_single,niah_multikey,multiturn --lengths 8k --policies $P --budgets 256,512,1024"
+    "--tasks passkey,niah_single,niah_multikey,multiturn --lengths 32k --policies locret,streaming --budgets 256,512,1024"
+)
+for step in "${STEPS[@]}"; do
+    [ "$(left)" -gt 20 ] || break
+    # shellcheck disable=SC2086
+    timeout -k 10 "$(left)" "$PY" -m localchat bench $step -n 20 --in-process --out "$DIR" 2>&1 | tail -n 400 >>"$OUT/grid.log"
+done
+cp "$DIR/results.jsonl" "$OUT/results.jsonl" 2>/dev/null
+echo "rows: $(cat "$DIR/results.jsonl" 2>/dev/null | wc -l), seconds: $(($(date +%s) - T0))" | tee "$OUT/summary.txt"
