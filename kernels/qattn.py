@@ -30,15 +30,15 @@ def decode_attention(query, quant, tail_k, tail_v, bits: int, group: int, scalin
 # --- the twin ----------------------------------------------------------------------------------------------
 
 
-def dequantized_keys_values(quant, bits: int, group: int, inv_freq=None):
-    """fp32 keys (rotated to their slots when `inv_freq` is given) and values `[1, H, nq, d]`."""
+def dequantized_keys_values(quant, bits: int, group: int, inv_freq=None, value_dtype=torch.float32):
+    """fp32 keys (rotated to their slots when `inv_freq` is given) and `value_dtype` values `[1, H, nq, d]`."""
     from localchat.engine.qcache import _rotate, dequantize, rope_table
 
     keys = dequantize(quant["qk"], quant["ks"], quant["kz"], bits, group)
     if inv_freq is not None:
         cos, sin = rope_table(torch.arange(keys.shape[-2], device=keys.device), inv_freq)
         keys = _rotate(keys, cos, sin)
-    return keys, dequantize(quant["qv"], quant["vs"], quant["vz"], bits, group)
+    return keys, dequantize(quant["qv"], quant["vs"], quant["vz"], bits, group, value_dtype)
 
 
 def decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq=None):

@@ -158,29 +158,29 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
                         f"for full attention at original positions")
     ids = _prompt(engine, config.length, config.seed)
     budget = config.budget or (engine.card.locret.get("budget") if engine.card else None) or 1024
-    runs: dict[str, list[list[dict]]] = {"side_by_side": [], "locret_scaling": []}
+    def tag(rep: int) -> str:
+        return f" (run {rep + 1}/{config.repeat})" if config.repeat > 1 else ""
+
+    runs: dict[str, list[list[dict]]] = {"side_by_side": [], "locret_scaling": [[] for _ in config.lengths]}
     for rep in range(config.repeat):
-        tag = f" (run {rep + 1}/{config.repeat})" if config.repeat > 1 else ""
         use_policy(engine, cell("full", None, "original"))
-        say(f"perf: full, {len(ids)} tokens{tag}")
+        say(f"perf: full, {len(ids)} tokens{tag(rep)}")
         full = _row("full (ours: in-place KVCache)", "full", "original", config.length,
                     _run(engine, ids, config.decode_tokens))
-        say(f"perf: full through transformers DynamicCache{tag}")
+        say(f"perf: full through transformers DynamicCache{tag(rep)}")
         hf = _row("full (transformers DynamicCache, HF default path)", "full", "original", config.length,
                   hf_dynamic_cache(engine.model, ids, engine.chunk, config.decode_tokens))
-        say(f"perf: floor, full after a {FLOOR_PROMPT}-token prompt{tag}")
+        say(f"perf: floor, full after a {FLOOR_PROMPT}-token prompt{tag(rep)}")
         floor = _row(f"floor: full after a {FLOOR_PROMPT}-token prompt (weights only)", "full", "original",
                      FLOOR_PROMPT, _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
         use_policy(engine, cell("locret", budget, "compact"))
-        say(f"perf: locret b={budget}{tag}")
+        say(f"perf: locret b={budget}{tag(rep)}")
         locret = _row("locret", "locret", "compact", config.length, _run(engine, ids, config.decode_tokens))
         runs["side_by_side"].append([full, locret, hf, floor])
     prompts = [_prompt(engine, n, config.seed) for n in config.lengths]
-    runs["locret_scaling"] = [[] for _ in config.lengths]
     for rep in range(config.repeat):  # lengths interleaved: a drift of the machine's speed hits them all
-        tag = f" (run {rep + 1}/{config.repeat})" if config.repeat > 1 else ""
         for n, prompt, reps in zip(config.lengths, prompts, runs["locret_scaling"]):
-            say(f"perf: locret scaling, {n} tokens{tag}")
+            say(f"perf: locret scaling, {n} tokens{tag(rep)}")
             reps.append(_row("locret", "locret", "compact", n, _run(engine, prompt, config.scaling_decode_tokens)))
     full, locret, hf, floor = (median_row([r[i] for r in runs["side_by_side"]]) for i in range(4))
     scaling = [median_row(reps) for reps in runs["locret_scaling"]]
@@ -242,14 +242,14 @@ def markdown(result: dict) -> str:
         f"n_loc={s['locret']['local']}, heads {s['heads']}; decode {s['decode_tokens']} tokens (greedy, EOS "
         f"ignored); prompt: {s['prompt']}."
         + (f" Every number is the median of {s['repeat']} runs (interleaved; single runs in perf.json)."
-           if s.get("repeat", 1) > 1 else ""), "",
+           if s["repeat"] > 1 else ""), "",
         f"## {s['length']}-token document, side by side", "", *_table(result["side_by_side"]), "",
         f"Ratios: prefill LOCRET / full (ours) {r['prefill_locret_vs_full']}x; decode LOCRET / full (ours) "
         f"{r['decode_locret_vs_full']}x; decode LOCRET / full (transformers DynamicCache) "
         f"{r['decode_locret_vs_hf_dynamic_cache']}x; decode full (ours) / full (DynamicCache) "
         f"{r['decode_full_vs_hf_dynamic_cache']}x; KV {r['kv_smaller_than_full']}x smaller."
         + (f" Decode LOCRET / full (ours) in each run: {', '.join(f'{x}x' for x in r['decode_locret_vs_full_per_run'])}."
-           if len(r.get("decode_locret_vs_full_per_run", [])) > 1 else ""), "",
+           if len(r["decode_locret_vs_full_per_run"]) > 1 else ""), "",
         "The DynamicCache row is the stock transformers path (a cache that concatenates per token), labelled "
         "apart; the `full (ours)` row is this engine's in-place cache.", "",
         f"Decode ceiling: the floor row (an almost empty cache, so each step reads little more than the "

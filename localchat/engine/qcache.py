@@ -227,8 +227,9 @@ class QuantizedKVLayer(KVLayer):
         from localchat.kernels.qattn import dequantized_keys_values
 
         dtype = dtype or self.dtype
-        keys, values = dequantized_keys_values(self.quantized(), self.bits, group_size(self.head_dim), self.inv_freq)
-        return keys.to(dtype), values.to(dtype)
+        keys, values = dequantized_keys_values(self.quantized(), self.bits, group_size(self.head_dim), self.inv_freq,
+                                               value_dtype=dtype)
+        return keys.to(dtype), values
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:

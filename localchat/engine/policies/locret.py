@@ -27,6 +27,7 @@ class Locret(Policy):
     summary = "LOCRET: trained retaining heads score each unit; keep the top budget (default)"
     stabilizers: int = 256
     heads: RetainingHeads | None = field(default=None, repr=False)
+    cache = None  # the attached cache (not a field): queued tokens are scored into it
 
     def attach(self, model, cache) -> None:
         super().attach(model, cache)
@@ -57,7 +58,7 @@ class Locret(Policy):
             layer.scores[:, end - count:end] = scores
 
     def priority(self, layer, layer_idx, last_chunk):
-        if getattr(self, "cache", None) is not None:  # attached: queued tokens get their scores first
+        if self.cache is not None:  # attached: queued tokens get their scores first
             self._flush(self.cache)
         prio = layer.scores.clone()
         return prio if last_chunk else protect_recent(prio, self.stabilizers)
