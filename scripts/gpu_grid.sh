@@ -18,6 +18,7 @@ PY=${PY:-python3}
 LIMIT_S=${LIMIT_S:-500}
 DIR=bench/results/grid-smollm2-h100
 P=full,locret,random,streaming,h2o,snapkv,sirllm,sagekv,omnikv,roco,corm
+E=locret,random,streaming,h2o,snapkv,sirllm  # the heads issue's rows at original positions
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if ! "$PY" -c "import localchat.kernels, localchat.models, localchat.builtin_profiles" 2>/dev/null; then
@@ -32,8 +33,9 @@ left() { echo $((LIMIT_S - ($(date +%s) - T0))); }
 STEPS=(
     "--tasks passkey,niah_single,niah_multikey --lengths 4k --policies $P --budgets 256,512,1024"
     "--tasks multiturn --lengths 4k --policies $P --budgets 256,512,1024"
-    "--tasks passkey,niah_single,niah_multikey,multiturn --lengths 8k --policies $P --budgets 256,512,1024"
+    "--tasks passkey,niah_single,niah_multikey,multiturn --lengths 7680 --policies $P --budgets 256,512,1024"
     "--tasks passkey,niah_single,niah_multikey,multiturn --lengths 32k --policies locret,streaming --budgets 256,512,1024"
+    "--tasks passkey,niah_single,niah_multikey --lengths 4k,7680 --policies $E --budgets 256,512,1024 --positions original"
 )
 for step in "${STEPS[@]}"; do
     [ "$(left)" -gt 20 ] || break

@@ -236,3 +236,49 @@ def test_multiturn_turns_axis_and_needle_retention(tiny_dir, tmp_path):
     assert rows["full", 2]["needle_kept"] == 1.0  # full attention keeps every unit
     # StreamingLLM keeps sinks + the recent window: a needle in the middle of the document is gone
     assert rows["streaming", 0]["depth"] == 0.5 and rows["streaming", 0]["needle_kept"] == 0.0
+
+
+def test_answer_retention_of_single_turn_tasks(tiny_dir, tmp_path):
+    config = BenchConfig(tasks=["niah_single", "passkey"], lengths=[300], policies=["full", "streaming"],
+                         budgets=[48], n=1, out=tmp_path, model=tiny_dir, chunk=32, answer_tokens=2,
+                         in_process=True)
+    run(config, say=lambda line: None)
+    rows = {(r["task"], r["policy"]): r for r in _rows(tmp_path)}
+    for task in ("niah_single", "passkey"):
+        assert rows[task, "full"]["answer_kept"] == 1.0  # full attention keeps every unit
+        # the needle sits mid-document: StreamingLLM's sinks + recent window drop all of its value's tokens
+        assert rows[task, "streaming"]["depth"] == 0.5 and rows[task, "streaming"]["answer_kept"] == 0.0
+
+
+def test_answer_tokens_cover_each_occurrence(tiny_dir):
+    from transformers import AutoTokenizer
+
+    from localchat.bench.cell import answer_tokens
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    text = "filler words here. The pass key is 47486. Remember it. 47486 is the pass key. more filler"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    where = answer_tokens(tok, text, ids, ("47486",))
+    pieces = [tok.decode(ids[i : i + 1]) for i in where]
+    assert "".join(pieces).replace(" ", "") == "47486" * 2
+    assert answer_tokens(tok, text, ids, ("99999",)) == []
+    assert answer_tokens(tok, text, ids[:-1], ("47486",)) == []  # ids that are not this text's: no guess
+
+
+def test_report_keeps_positions_apart_and_tables_retention(tmp_path):
+    from localchat.bench.report import kept_table, load_rows
+
+    rows = [{"task": "passkey", "policy": "locret", "budget": 512, "length": 4096, "positions": "compact",
+             "answer_kept": 0.5},
+            {"task": "passkey", "policy": "locret", "budget": 512, "length": 4096, "positions": "compact",
+             "answer_kept": 1.0},
+            {"task": "passkey", "policy": "locret", "budget": 512, "length": 4096, "positions": "original",
+             "answer_kept": 0.25},
+            {"task": "passkey", "policy": "full", "budget": None, "length": 4096, "positions": "original"}]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_rows(tmp_path)
+    assert [r["policy"] for r in loaded] == ["locret", "locret", "locret positions=original", "full"]
+    table = kept_table(loaded)
+    assert "| passkey | locret | 512 | 0.75 (n=2) |" in table
+    assert "| passkey | locret positions=original | 512 | 0.25 (n=1) |" in table
+    assert not any("| full |" in line for line in table)  # no retention recorded: no row

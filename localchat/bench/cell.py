@@ -140,15 +140,52 @@ def _progress_line(at: int, total: int, cell: Cell, example: int, row: dict) -> 
             f"decode {row['decode_tps']:.1f} tok/s")
 
 
-def _complete(engine, messages: list[dict], max_new: int) -> Done | str:
-    """Greedy answer to `messages`: the Done event, or the error message."""
+def _complete(engine, messages: list[dict], max_new: int, answers: tuple[str, ...]) -> tuple[Done | str, float | None]:
+    """Greedy answer to `messages`: the Done event (or the error message), and the share of the answer's
+    tokens in the prompt still cached after answering (`answer_kept`, None where it can't be located)."""
     settings = GenerationSettings(max_new_tokens=max_new)
-    for event in engine.chat(messages, settings):
+    text = engine.render(messages)
+    ids = engine.encode(text)
+    cache = engine.new_cache(len(ids), max_new)
+    for event in engine.continue_on(cache, ids, 0, settings):
         if isinstance(event, Done):
-            return event
+            return event, answer_kept(engine.tokenizer, text, ids, answers, cache)
         if isinstance(event, Error):
-            return event.message
-    return "no answer"
+            return event.message, None
+    return "no answer", None
+
+
+def answer_tokens(tokenizer, text: str, ids: list[int], answers: tuple[str, ...]) -> list[int]:
+    """Prompt token indices that overlap any occurrence of an expected answer in `text` (the needle's
+    value where the document states it). Empty when the tokenizer gives no offsets or they disagree."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, TypeError):  # a slow tokenizer: no offsets
+        return []
+    if list(enc["input_ids"]) != list(ids):
+        return []
+    spans = []
+    for answer in answers:
+        at = text.find(answer)
+        while answer and at >= 0:
+            spans.append((at, at + len(answer)))
+            at = text.find(answer, at + 1)
+    return [i for i, (a, b) in enumerate(enc["offset_mapping"]) if any(a < e and b > s for s, e in spans)]
+
+
+def answer_kept(tokenizer, text: str, ids: list[int], answers: tuple[str, ...], cache) -> float | None:
+    """The share of the answer's prompt tokens still cached, over layers and KV heads (1.0 for a policy
+    that keeps every unit; OmniKV keeps all and picks per step, so 1.0 says nothing of its picks)."""
+    where = answer_tokens(tokenizer, text, ids, answers)
+    if not where:
+        return None
+    wanted = torch.tensor(where)
+    held = total = 0
+    for layer in cache.layers:
+        positions = layer.positions  # [H_kv, n] true positions
+        held += int(torch.isin(positions, wanted.to(positions.device)).sum())
+        total += positions.shape[0] * len(where)
+    return round(held / total, 4)
 
 
 def _timing(turn: int, done: Done) -> dict:
@@ -194,11 +231,11 @@ def run_example(engine, sample: Sample, max_new: int) -> dict:
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     followups: list[dict] = []
-    conversation = needle_kept = None
+    conversation = needle_kept = kept = None
     if sample.task == "multiturn":
         done, followups, conversation, needle_kept = _conversation(engine, sample, max_new)
     else:
-        done = _complete(engine, prompt_messages(sample), max_new)
+        done, kept = _complete(engine, prompt_messages(sample), max_new, sample.answers)
     if isinstance(done, str):
         return _failed(done)
     value = float(score(sample, done.text))
@@ -209,7 +246,7 @@ def run_example(engine, sample: Sample, max_new: int) -> dict:
         "prefill_tps": round(done.prefill_tps, 2), "decode_tps": round(done.decode_tps, 2),
         "kv_tokens": done.kv_tokens, "kv_bytes": done.kv_bytes, "kv_full_bytes": done.kv_full_bytes,
         "compression": round(done.compression, 3), "followups": followups or None,
-        "conversation_tokens": conversation, "needle_kept": needle_kept,
+        "conversation_tokens": conversation, "needle_kept": needle_kept, "answer_kept": kept,
     }
 
 

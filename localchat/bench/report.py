@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 from localchat.bench.runner import RESULTS
 from localchat.errors import UserError
@@ -40,9 +40,19 @@ def load_rows(directory: Path) -> list[dict]:
         for name in ("weights", "kv"):  # quantized runs are rows of their own
             if row.get(name):
                 row["policy"] += f" {name}={row[name]}"
+        default = _default_positions(row["policy"].split("[")[0].split()[0])
+        if default and row.get("positions") and row["positions"] != default:
+            row["policy"] += f" positions={row['positions']}"  # e.g. an evicting policy at original positions
         if row.get("turns") is not None:  # multiturn with a set number of unrelated turns
             row["task"] = f"{row['task']}[{row['turns']} turns]"
     return rows
+
+
+def _default_positions(policy: str) -> str | None:
+    from localchat.engine.policies import POLICIES
+
+    cls = POLICIES.get(policy)  # a policy that keeps every unit has the same positions either way: None
+    return cls.default_positions if cls is not None and cls.evicts else None
 
 
 def _ordered(values: Iterable) -> list:
@@ -95,6 +105,29 @@ def accuracy_table(rows: list[dict]) -> list[str]:
     return _table(["task", "policy", "budget", *(f"{n} tokens" for n in lengths)], body)
 
 
+def _kept(row: dict) -> float | None:
+    value = row.get("answer_kept")
+    return row.get("needle_kept") if value is None else value
+
+
+def kept_table(rows: list[dict]) -> list[str]:
+    """Mean share of the answer's tokens (multiturn: the needle's) still cached after answering, over
+    layers and KV heads, with how many rows have it; empty when no row records it."""
+    kept = [r for r in _ok(rows) if _kept(r) is not None]
+    if not kept:
+        return []
+    lengths = _ordered(r["length"] for r in kept)
+    groups = _group(kept, "task", "policy", "budget", "length")
+    body = []
+    for task, policy, budget in dict.fromkeys((r["task"], r["policy"], r["budget"]) for r in kept):
+        cells = []
+        for n in lengths:
+            group = groups.get((task, policy, budget, n), [])
+            cells.append(f"{mean(_kept(r) for r in group):.2f} (n={len(group)})" if group else "")
+        body.append([task, policy, _budget(budget), *cells])
+    return _table(["task", "policy", "budget", *(f"{n} tokens" for n in lengths)], body)
+
+
 def _setting_rows(rows: list[dict]) -> list[tuple[tuple, list[dict]]]:
     """(policy, budget, length) groups in a stable order, error rows left out."""
     groups = _group(_ok(rows), "policy", "budget", "length")
@@ -108,11 +141,11 @@ def speed_table(rows: list[dict]) -> list[str]:
     for (policy, budget, length), group in _setting_rows(rows):
         followups = [f["total_s"] for r in group for f in (r.get("followups") or [])]
         body.append([
-            policy, _budget(budget), length, len(group), f"{mean(r['prompt_tokens'] for r in group):,.0f}",
-            f"{mean(r['prefill_tps'] for r in group):,.0f}",
-            f"{1000 * mean(r['prefill_s'] / r['prompt_tokens'] for r in group):.2f}",
-            f"{mean(r['decode_tps'] for r in group):.1f}", f"{mean(r['ttft_s'] for r in group):.2f}",
-            f"{mean(followups):.2f}" if followups else "-",
+            policy, _budget(budget), length, len(group), f"{median(r['prompt_tokens'] for r in group):,.0f}",
+            f"{median(r['prefill_tps'] for r in group):,.0f}",
+            f"{1000 * median(r['prefill_s'] / r['prompt_tokens'] for r in group):.2f}",
+            f"{median(r['decode_tps'] for r in group):.1f}", f"{median(r['ttft_s'] for r in group):.2f}",
+            f"{median(followups):.2f}" if followups else "-",
         ])
     return _table(["policy", "budget", "length", "N", "prompt tokens", "prefill tok/s", "prefill ms/token",
                    "decode tok/s", "TTFT s", "multiturn follow-up s"], body)
@@ -158,8 +191,12 @@ def write_report(directory: Path, say: Callable[[str], None] = lambda s: print(s
     plots, notice = _plots(rows, directory)
     md = ["# localchat bench report", "", *(f"{line}  " for line in _setup_lines(rows)), "",
           "## Accuracy (mean score, N examples per cell)", "", *accuracy_table(rows), "",
-          "## Speed (means over the cell's examples)", "", *speed_table(rows), "",
+          "## Speed (medians over the cell's examples: a run slowed for a while moves them little)", "", *speed_table(rows), "",
           "## Memory (KV bytes kept vs a full cache; peak memory is the cell's largest)", "", *memory_table(rows), ""]
+    kept = kept_table(rows)
+    if kept:
+        md += ["## Answer kept (share of the answer's tokens in the document still cached after answering, "
+               "over layers and KV heads; multiturn: the needle's first 20 tokens)", "", *kept, ""]
     if notice:
         md += [notice, ""]
         say(notice)
