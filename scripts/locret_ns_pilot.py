@@ -1,4 +1,4 @@
-"""LOCRET n_s pilot: 32K niah_single, b=1024, compact positions, the shipped heads, on chosen examples.
+"""LOCRET n_s pilot: 32K niah_single, b=1024, compact positions, the shipped heads (the logit heads when it ran).
 
     python scripts/locret_ns_pilot.py NS EXAMPLES > OUT.jsonl     # e.g. 64 1,3,4,5,7,8
 
