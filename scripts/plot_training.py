@@ -22,7 +22,8 @@ def main(log_path: str, out: str) -> None:
     a.plot(steps, smooth, label="train (mean of 10 logs)")
     a.plot([r["step"] for r in log["eval"]], [r["loss"] for r in log["eval"]], "o-", label="held-out")
     a.set_xlabel("step")
-    a.set_ylabel("SmoothL1 + 0.0025 smoothness")
+    a.set_yscale("log")  # the prob label's losses are ~1e-4: linear axes flatten them
+    a.set_ylabel("SmoothL1 + 0.0025 smoothness (log)")
     a.legend()
     b.plot([r["step"] for r in log["eval"]], [r["top10_overlap"] for r in log["eval"]], "o-")
     b.set_xlabel("step")
