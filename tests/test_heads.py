@@ -141,3 +141,14 @@ def test_locret_through_prefill_keeps_b_plus_tail():
         pass
     policy.detach()
     assert cache.get_seq_length() == 62
+
+
+def test_random_heads_from_a_shape_match_those_from_the_model():
+    from localchat.engine.heads import head_shape
+
+    model = tiny_llama()
+    a = RetainingHeads.random(model, d_r=32, seed=3)
+    b = RetainingHeads.random(head_shape(model), d_r=32, seed=3)
+    assert b.shape == head_shape(model)
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+        assert torch.equal(x, y)

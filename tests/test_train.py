@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -109,3 +111,12 @@ def test_import_official_checkpoint_naming(tmp_path):
     save_file(bad, tmp_path / "bad.safetensors")
     with pytest.raises(UserError, match="does not fit"):
         import_official(tmp_path / "bad.safetensors", cfg)
+
+
+def test_split_holds_out_every_nth_file_and_keeps_the_rest():
+    from localchat.train.dataset import split
+
+    files = [Path(f"sample-{i:05d}.safetensors") for i in range(25)]
+    train_files, held = split(files, 10)
+    assert held == [files[9], files[19]]
+    assert train_files == [f for i, f in enumerate(files) if i not in (9, 19)]

@@ -62,9 +62,9 @@ class RetainingHeads(nn.Module):
 
     @classmethod
     def random(cls, model, d_r: int = 1024, seed: int = 0) -> "RetainingHeads":
-        """Untrained heads (the paper's ablation: eviction by noise)."""
+        """Untrained heads (the paper's ablation: eviction by noise); `model` may also be a `head_shape` dict."""
         torch.manual_seed(seed)
-        return cls(head_shape(model), d_r, {"kind": "random", "seed": seed})
+        return cls(model if isinstance(model, dict) else head_shape(model), d_r, {"kind": "random", "seed": seed})
 
     def save(self, directory: str | Path, dtype: torch.dtype = torch.float16) -> None:
         """Weights as `dtype` (fp16 halves the shipped file; scores only rank units) + a JSON config."""

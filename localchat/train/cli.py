@@ -59,8 +59,7 @@ def run_train(args, engine) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     samples = make_samples(engine.tokenizer, args.samples, args.seed, args.min_tokens, max_tokens)
     files = dataset.build(engine, samples, data, keep=args.keep, say=say)
-    held = [f for i, f in enumerate(files) if i % args.eval_every_nth == args.eval_every_nth - 1]
-    train_files = [f for f in files if f not in held]
+    train_files, held = dataset.split(files, args.eval_every_nth)
     t1 = time.time()
     meta = {"model": engine.name, "kind": "trained", "label": args.label,
             "data": {"samples": len(files), "held_out": len(held), "kinds": list(KINDS),
