@@ -71,6 +71,22 @@ def test_runner_writes_rows_and_resumes(tiny_dir, tmp_path, capsys):
     assert main(argv) == 0 and "8 already" in capsys.readouterr().err
 
 
+def test_dry_run_lists_what_is_left_and_runs_nothing(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "grid"
+    base = ["--tasks", "passkey", "--policies", "full,streaming", "--budgets", "64", "-n", "2", "--in-process"]
+    assert main(_grid([*base, "--lengths", "256"], tiny_dir, out)) == 0
+    lines = (out / RESULTS).read_text().splitlines(keepends=True)
+    (out / RESULTS).write_text("".join(lines[:-1]))  # streaming's example 1 is lost
+    capsys.readouterr()
+    assert main(_grid([*base, "--lengths", "256,300", "--dry-run"], tiny_dir, out)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len((out / RESULTS).read_text().splitlines()) == 3  # nothing ran
+    assert printed[0].startswith("passkey 256 streaming b=64: 1 left, about ")
+    assert "passkey 300 full: 2 left, no timing yet" in printed
+    assert "passkey 300 streaming b=64: 2 left, no timing yet" in printed
+    assert printed[-1].startswith("5 of 8 examples left") and "plus 4 examples with no timing yet" in printed[-1]
+
+
 def test_multiturn_times_every_follow_up(tiny_dir, tmp_path):
     config = BenchConfig(tasks=["multiturn"], lengths=[200], policies=["streaming"], budgets=[48], n=1,
                          out=tmp_path, model=tiny_dir, chunk=32, answer_tokens=2, in_process=True)

@@ -50,6 +50,8 @@ def add_parser(subparsers) -> None:
                        help="weight precisions, comma-separated (fp32,int8,int4,nf4,...; default: the device's dtype)")
     bench.add_argument("--kv", default=argparse.SUPPRESS,
                        help="KV cache quantization, comma-separated (none,int8,int4,int2; default none)")
+    bench.add_argument("--dry-run", action="store_true",
+                       help="list the cells with examples left and estimate the time; run nothing")
     bench.add_argument("--in-process", action="store_true",
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
@@ -176,6 +178,11 @@ def run(args) -> int:
         kv=_quant_axis(getattr(args, "kv", None), "kv"),
         command=_command(args, perf=False),
     )
+    if args.dry_run:
+        from localchat.bench.runner import dry_run
+
+        print("\n".join(dry_run(config)))
+        return 0
     run_grid(config, say=_say)
     return 0
 

@@ -142,6 +142,54 @@ def finished(path: Path) -> set[str]:
     return keys
 
 
+def dry_run(config: BenchConfig) -> list[str]:
+    """What `run` would do, without running it: each cell with examples left, and a time estimate.
+
+    The estimate is the median `wall_s` of the rows already in OUT/results.jsonl with the same task and
+    length (else the same length, any task), times the examples left; cells with no such rows count as unknown.
+    """
+    check(config)
+    path = config.out / RESULTS
+    rows = _rows(path)
+    done = {row_key(r) for r in rows}
+    lines, seconds, unknown, left_total = [], 0.0, 0, 0
+    for cell in plan(config):
+        left = sum(cell.key(i) not in done for i in range(config.n))
+        if not left:
+            continue
+        left_total += left
+        timed = [r for r in rows if r.get("length") == cell.length and r.get("wall_s")]
+        same = [r["wall_s"] for r in timed if r.get("task") == cell.task]
+        per = _median(same) or _median([r["wall_s"] for r in timed])
+        if per is None:
+            unknown += left
+            lines.append(f"{cell.label()}: {left} left, no timing yet")
+        else:
+            seconds += per * left
+            source = "" if same else " (other tasks' rows)"
+            lines.append(f"{cell.label()}: {left} left, about {per * left / 60:.0f} min at {per:.1f} s each{source}")
+    total = len(plan(config)) * config.n
+    eta = f"about {seconds / 3600:.1f} h" + (f" plus {unknown} examples with no timing yet" if unknown else "")
+    lines.append(f"{left_total} of {total} examples left in {path}; {eta} for one process (rows' median wall_s)")
+    return lines
+
+
+def _rows(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
 def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
     check(config)
     config.out.mkdir(parents=True, exist_ok=True)
