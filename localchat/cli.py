@@ -166,6 +166,8 @@ def run_ask(args) -> int:
 
     if not args.question.strip():
         raise UserError("the question is empty; put it in quotes after `ask`")
+    if args.session is not None and not args.session.strip():
+        raise UserError("the session name is empty; give one, e.g. --session notes")
     # Read every document before loading the model, so a bad path fails fast.
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
     engine = load_engine(args)
@@ -270,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
             return bench_cli.run(args)
         if args.command == "train-heads":
             from localchat.engine.engine import Engine
-            from localchat.train.cli import run_train
+            from localchat.train.cli import check, run_train
 
+            check(args)  # before the model loads
             return run_train(args, Engine.load(args.model, chunk=args.chunk))
         if args.command == "import-heads":
             from localchat.train.cli import run_import

@@ -34,6 +34,7 @@ def test_model_flag_before_the_subcommand_is_kept(tiny_dir, capsys):
     [
         (["ask", "--file", "/no/such/file.txt", "q"], "no such file"),
         (["ask", ""], "question is empty"),
+        (["ask", "--session", " ", "q"], "session name is empty"),
         (["ask", "--max-new-tokens", "0", "q"], "--max-new-tokens"),
         (["ask", "--chunk", "0", "q"], "--chunk"),
         (["ask", "--top-p", "2", "q"], "--top-p"),

@@ -55,6 +55,21 @@ def test_hugging_face_id_from_the_offline_hub_cache(tiny_dir, tmp_path, monkeypa
     assert _answer(engine).prompt_tokens > 0
 
 
+@pytest.mark.parametrize("offline", ["env", "unreachable"])
+def test_an_uncached_id_without_the_hub_is_one_line_error(offline, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    if offline == "env":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:  # nothing listens on port 9 here: the probe is refused at once, no retries
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ModelError, match="not in the Hugging Face cache and the hub cannot be reached") as info:
+        loading.load("localchat-test/not-cached")
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     "spec, words",
     [("/no/such/dir", "no such model path"), ("./missing.gguf", "no such GGUF file"), ("a/b/c", "no such model path")],

@@ -52,7 +52,7 @@ def test_training_learns(tmp_path):
     shape = head_shape(model)
     teacher = RetainingHeads.random(model, d_r=16, seed=5)
     files = _fake_files(tmp_path, shape, teacher)
-    recipe = Recipe(d_r=16, steps=60, lr=3e-3, warmup=5, eval_every=20, checkpoint_every=20)
+    recipe = Recipe(d_r=16, steps=60, lr=3e-3, warmup=5, eval_every=20, checkpoint_every=20, label="logit")
     log = train(shape, files[:5], files[5:], tmp_path / "a", recipe, {"model": "tiny"}, say=lambda m: None)
     first, last = log["eval"][0], log["eval"][-1]
     assert last["loss"] < first["loss"] and last["top10_overlap"] > 0.3
@@ -65,7 +65,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     model = tiny_llama(300, layers=2, q_heads=4, kv_heads=2)
     shape = head_shape(model)
     files = _fake_files(tmp_path, shape, RetainingHeads.random(model, d_r=16, seed=5), count=4)
-    recipe = Recipe(d_r=16, steps=30, lr=3e-3, warmup=5, eval_every=10, checkpoint_every=10)
+    recipe = Recipe(d_r=16, steps=30, lr=3e-3, warmup=5, eval_every=10, checkpoint_every=10, label="logit")
     train(shape, files[:3], files[3:], tmp_path / "full", recipe, {}, say=lambda m: None)
     # a run killed between the checkpoints at step 10 and 20, then started again
     part = tmp_path / "part"
@@ -120,3 +120,31 @@ def test_split_holds_out_every_nth_file_and_keeps_the_rest():
     train_files, held = split(files, 10)
     assert held == [files[9], files[19]]
     assert train_files == [f for i, f in enumerate(files) if i not in (9, 19)]
+
+
+def _train_args(*argv):
+    from localchat.cli import build_parser
+
+    return build_parser().parse_args(["train-heads", "--out", "/tmp/unused", *argv])
+
+
+def test_cpu_recipe_is_what_ships_and_the_paper_recipe_keeps_its_label():
+    from localchat.train.cli import _recipe
+
+    cpu = _recipe(_train_args())
+    assert (cpu.label, cpu.steps, cpu.d_r) == ("prob", 1500, 256)
+    paper = _recipe(_train_args("--recipe", "paper"))
+    assert (paper.label, paper.steps, paper.d_r) == ("logit", 3000, 1024)
+    mixed = _recipe(_train_args("--recipe", "paper", "--label", "prob", "--steps", "7"))
+    assert (mixed.label, mixed.steps, mixed.d_r) == ("prob", 7, 1024)
+
+
+@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--d-r", "-1"), ("--lr", "0"), ("--warmup", "-2"),
+                                         ("--keep", "0"), ("--eval-every-nth", "0")])
+def test_bad_training_settings_stop_before_the_model_loads(flag, value, capsys):
+    from localchat.cli import main
+
+    # The model path does not exist: the setting's error must come first, before any loading or labelling.
+    assert main(["--model", "/no/such/model", "train-heads", "--out", "/tmp/unused", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and err.count("\n") == 1 and "Traceback" not in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,14 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
     bnb = quantize.bnb_config(weights, device)
     extra = {"quantization_config": bnb, "device_map": {"": device.index or 0}} if bnb is not None else {}
     local = Path(source).is_dir()
+    if not local and not _hub_reachable():  # offline: the cached copy or a clear error, not minutes of retries
+        if not _cached(source):
+            raise ModelError(f"cannot load model {spec}: it is not in the Hugging Face cache and the hub cannot be "
+                             "reached; pass the local directory of a downloaded copy")
+        local = True
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)  # its retry warnings would bury the one-line error
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
         model = AutoModelForCausalLM.from_pretrained(
@@ -88,9 +97,36 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
         raise ModelError(f"cannot load model {spec}: {first}") from exc
     finally:
         hf_logging.enable_progress_bar()
+        hub_logger.setLevel(hub_level)
     if bnb is None:
         model.to(device)
     model.eval()
     model.requires_grad_(False)
     quantize.quantize_after_load(model, weights, device)
     return Loaded(model=model, tokenizer=tokenizer, name=(card.name if card else spec or source), card=card)
+
+
+def _cached(model_id: str) -> bool:
+    """Whether the hub id's config is in the local Hugging Face cache (then no network is needed)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(model_id, "config.json"), str)
+    except Exception:  # a malformed id: let from_pretrained say what is wrong
+        return False
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP check of the hub endpoint, so an offline machine fails in seconds, not after minutes of retries."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False

@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--d-r", type=int, default=None, help="hidden width of each head (cpu 256, paper 1024)")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--label", choices=["logit", "prob"], default="logit", help="logit = the paper's label")
+    p.add_argument("--label", choices=["logit", "prob"], default=None,
+                   help="prob (the cpu recipe's, what ships) or logit (the paper's label; the paper recipe's)")
     p.add_argument("--eval-every-nth", type=int, default=10, help="every Nth sample is held out (default 10)")
     p.add_argument("--keep", type=int, default=768, help="tokens of features kept per sample (default 768)")
     p.add_argument("--seed", type=int, default=0)
@@ -39,8 +40,20 @@ def _recipe(args):
     from localchat.train.loop import PAPER, Recipe
 
     base = PAPER if args.recipe == "paper" else Recipe()
-    given = {"steps": args.steps, "d_r": args.d_r, "lr": args.lr, "warmup": args.warmup}
-    return replace(base, label=args.label, seed=args.seed, **{k: v for k, v in given.items() if v is not None})
+    given = {"steps": args.steps, "d_r": args.d_r, "lr": args.lr, "warmup": args.warmup, "label": args.label}
+    return replace(base, seed=args.seed, **{k: v for k, v in given.items() if v is not None})
+
+
+def check(args) -> None:
+    """Raise UserError for a bad training setting, before any labelling starts."""
+    for flag, value in (("--steps", args.steps), ("--d-r", args.d_r), ("--eval-every-nth", args.eval_every_nth),
+                        ("--keep", args.keep)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1 (got {value})")
+    if args.lr is not None and not args.lr > 0:
+        raise UserError(f"--lr must be above 0 (got {args.lr})")
+    if args.warmup is not None and args.warmup < 0:
+        raise UserError(f"--warmup must be 0 or more (got {args.warmup})")
 
 
 def run_train(args, engine) -> int:
@@ -61,14 +74,14 @@ def run_train(args, engine) -> int:
     files = dataset.build(engine, samples, data, keep=args.keep, say=say)
     train_files, held = dataset.split(files, args.eval_every_nth)
     t1 = time.time()
-    meta = {"model": engine.name, "kind": "trained", "label": args.label,
+    meta = {"model": engine.name, "kind": "trained", "label": recipe.label,
             "data": {"samples": len(files), "held_out": len(held), "kinds": list(KINDS),
                      "tokens": [args.min_tokens, max_tokens], "seed": args.seed}}
     log = train(head_shape(engine.model), train_files, held, out, recipe, meta, say=say)
     t2 = time.time()
     card = {
         "command": "localchat " + " ".join(sys.argv[1:]) if sys.argv and "localchat" in sys.argv[0] else "localchat train-heads",
-        "recipe": asdict(recipe), "data": meta["data"], "label": args.label,
+        "recipe": asdict(recipe), "data": meta["data"], "label": recipe.label,
         "final_eval": log["eval"][-1] if log["eval"] else {}, "first_eval": log["eval"][0] if log["eval"] else {},
         "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "minutes": {"labels": round((t1 - t0) / 60, 1), "training": round((t2 - t1) / 60, 1)},
