@@ -70,6 +70,15 @@ def test_an_uncached_id_without_the_hub_is_one_line_error(offline, tmp_path, mon
     assert "\n" not in str(info.value)
 
 
+def test_behind_a_proxy_the_hub_client_decides(monkeypatch):
+    for var in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert not loading._hub_reachable()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert loading._hub_reachable()
+
+
 @pytest.mark.parametrize(
     "spec, words",
     [("/no/such/dir", "no such model path"), ("./missing.gguf", "no such GGUF file"), ("a/b/c", "no such model path")],

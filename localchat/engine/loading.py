@@ -124,6 +124,8 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # a direct probe says nothing about the proxy's way out; let the hub client try
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
         with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
