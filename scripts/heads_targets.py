@@ -13,9 +13,10 @@ on average over tasks, above every other policy; at 32K compact b=1024, passkey 
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
+
+from localchat.bench.runner import RESULTS, read_rows
 
 TASKS = ("passkey", "niah_single", "niah_multikey")
 BASELINES = ("random heads", "streaming", "h2o", "snapkv", "sirllm", "random")
@@ -25,11 +26,7 @@ N = 20
 def load(directory: Path) -> dict[tuple, list[bool]]:
     """(task, length, name, budget, positions) -> correctness of each example."""
     cells: dict[tuple, list[bool]] = defaultdict(list)
-    for line in (directory / "results.jsonl").read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for r in read_rows(directory / RESULTS):
         if r.get("turns") is not None or r.get("weights") or r.get("kv") or r.get("error"):
             continue
         name = r["policy"]
@@ -80,11 +77,10 @@ def checks(cells) -> list[str]:
                     means[name] = None if None in got else sum(got) / len(got)
                 rest = {k: v for k, v in means.items() if k != "locret"}
                 ok = None if None in means.values() else all(means["locret"] > v for v in rest.values())
-                best = max((v, k) for k, v in rest.items() if v is not None) if any(
-                    v is not None for v in rest.values()) else None
+                known = [(v, k) for k, v in rest.items() if v is not None]
+                best = "best other " + (f"{max(known)[1]} {fmt(max(known)[0])}" if known else "waiting")
                 lines.append(f"| mean over tasks above every other policy | {length:,} b={budget} {positions} | "
-                             f"{fmt(means['locret'])} | best other {best[1] + ' ' + fmt(best[0]) if best else 'waiting'}"
-                             f" | {verdict(ok)} |")
+                             f"{fmt(means['locret'])} | {best} | {verdict(ok)} |")
     pk = acc(cells, "passkey", 32768, "locret", 1024)
     lines.append(f"| passkey >= 0.90 | passkey 32,768 b=1024 compact | {fmt(pk)} | 0.90 | "
                  f"{verdict(None if pk is None else pk >= 0.90)} |")

@@ -140,7 +140,8 @@ def test_cpu_recipe_is_what_ships_and_the_paper_recipe_keeps_its_label():
 
 
 @pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--d-r", "-1"), ("--lr", "0"), ("--warmup", "-2"),
-                                         ("--keep", "0"), ("--eval-every-nth", "0")])
+                                         ("--keep", "0"), ("--eval-every-nth", "0"), ("--samples", "1"),
+                                         ("--min-tokens", "10")])
 def test_bad_training_settings_stop_before_the_model_loads(flag, value, capsys):
     from localchat.cli import main
 

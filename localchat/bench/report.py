@@ -7,7 +7,6 @@ need matplotlib (the `plot` extra); without it only report.md is written, with a
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections import defaultdict
@@ -15,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from statistics import mean, median
 
-from localchat.bench.runner import RESULTS
+from localchat.bench.runner import RESULTS, read_rows
 from localchat.errors import UserError
 
 PLOT_NOTICE = "plots need `pip install 'localchat[plot]'` (matplotlib is not installed); wrote report.md only"
@@ -26,12 +25,7 @@ def load_rows(directory: Path) -> list[dict]:
     path = directory / RESULTS
     if not path.is_file():
         raise UserError(f"no {RESULTS} in {directory}; run `localchat bench ... --out {directory}` first")
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line from an interrupted run
-            continue
+    rows = read_rows(path)
     if not rows:
         raise UserError(f"{path} holds no results yet")
     for row in rows:  # LOCRET runs with different heads are different rows of every table

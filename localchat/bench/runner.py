@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median
 
 from localchat.bench.cell import Cell, row_key, run_cell
 from localchat.bench.tasks import ANSWER_TOKENS, TASKS
@@ -125,56 +126,8 @@ def plan(config: BenchConfig) -> list[Cell]:
     return cells
 
 
-def finished(path: Path) -> set[str]:
-    """Keys of the examples that already have a row; a torn last line (a killed run) is cut off."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with path.open("r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-    keys = set()
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            keys.add(row_key(json.loads(line)))
-        except json.JSONDecodeError:
-            continue
-    return keys
-
-
-def dry_run(config: BenchConfig) -> list[str]:
-    """What `run` would do, without running it: each cell with examples left, and a time estimate.
-
-    The estimate is the median `wall_s` of the rows already in OUT/results.jsonl with the same task and
-    length (else the same length, any task), times the examples left; cells with no such rows count as unknown.
-    """
-    check(config)
-    path = config.out / RESULTS
-    rows = _rows(path)
-    done = {row_key(r) for r in rows}
-    lines, seconds, unknown, left_total = [], 0.0, 0, 0
-    for cell in plan(config):
-        left = sum(cell.key(i) not in done for i in range(config.n))
-        if not left:
-            continue
-        left_total += left
-        timed = [r for r in rows if r.get("length") == cell.length and r.get("wall_s")]
-        same = [r["wall_s"] for r in timed if r.get("task") == cell.task]
-        per = _median(same) or _median([r["wall_s"] for r in timed])
-        if per is None:
-            unknown += left
-            lines.append(f"{cell.label()}: {left} left, no timing yet")
-        else:
-            seconds += per * left
-            source = "" if same else " (other tasks' rows)"
-            lines.append(f"{cell.label()}: {left} left, about {per * left / 60:.0f} min at {per:.1f} s each{source}")
-    total = len(plan(config)) * config.n
-    eta = f"about {seconds / 3600:.1f} h" + (f" plus {unknown} examples with no timing yet" if unknown else "")
-    lines.append(f"{left_total} of {total} examples left in {path}; {eta} for one process (rows' median wall_s)")
-    return lines
-
-
-def _rows(path: Path) -> list[dict]:
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a results file (none when it does not exist); a torn line from an interrupted run is skipped."""
     rows = []
     if path.exists():
         for line in path.read_text(encoding="utf-8").splitlines():
@@ -185,9 +138,51 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
-def _median(values: list[float]) -> float | None:
-    values = sorted(values)
-    return values[len(values) // 2] if values else None
+def finished(path: Path) -> set[str]:
+    """Keys of the examples that already have a row; a torn last line (a killed run) is cut off."""
+    if path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with path.open("r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+    return {row_key(row) for row in read_rows(path)}
+
+
+def _todo(config: BenchConfig, done: set[str]) -> list[tuple[Cell, list[int]]]:
+    """Each planned cell with the example indices that have no row yet."""
+    return [(cell, [i for i in range(config.n) if cell.key(i) not in done]) for cell in plan(config)]
+
+
+def dry_run(config: BenchConfig) -> list[str]:
+    """What `run` would do, without running it: each cell with examples left, and a time estimate.
+
+    The estimate is the median `wall_s` of the rows already in OUT/results.jsonl with the same task and
+    length (else the same length, any task), times the examples left; cells with no such rows count as unknown.
+    """
+    check(config)
+    path = config.out / RESULTS
+    rows = read_rows(path)
+    todo = _todo(config, {row_key(r) for r in rows})
+    lines, seconds, unknown, left_total = [], 0.0, 0, 0
+    for cell, examples in todo:
+        left = len(examples)
+        if not left:
+            continue
+        left_total += left
+        timed = [r for r in rows if r.get("length") == cell.length and r.get("wall_s")]
+        same = [r["wall_s"] for r in timed if r.get("task") == cell.task]
+        per = median(same or [r["wall_s"] for r in timed]) if timed else None
+        if per is None:
+            unknown += left
+            lines.append(f"{cell.label()}: {left} left, no timing yet")
+        else:
+            seconds += per * left
+            source = "" if same else " (other tasks' rows)"
+            lines.append(f"{cell.label()}: {left} left, about {per * left / 60:.0f} min at {per:.1f} s each{source}")
+    eta = f"about {seconds / 3600:.1f} h" + (f" plus {unknown} examples with no timing yet" if unknown else "")
+    lines.append(f"{left_total} of {len(todo) * config.n} examples left in {path}; {eta} for one process "
+                 "(rows' median wall_s)")
+    return lines
 
 
 def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
@@ -195,7 +190,7 @@ def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
     config.out.mkdir(parents=True, exist_ok=True)
     path = config.out / RESULTS
     done = finished(path)
-    todo = [(cell, [i for i in range(config.n) if cell.key(i) not in done]) for cell in plan(config)]
+    todo = _todo(config, done)
     total = len(todo) * config.n
     at = total - sum(len(examples) for _, examples in todo)
     say(f"bench: {len(todo)} cells, {total} examples, {at} already in {path}")

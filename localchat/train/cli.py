@@ -54,6 +54,8 @@ def check(args) -> None:
         raise UserError(f"--lr must be above 0 (got {args.lr})")
     if args.warmup is not None and args.warmup < 0:
         raise UserError(f"--warmup must be 0 or more (got {args.warmup})")
+    if args.samples < 2 or args.min_tokens < 64 or (args.max_tokens and args.max_tokens < args.min_tokens):
+        raise UserError("need --samples >= 2 and 64 <= --min-tokens <= --max-tokens")
 
 
 def run_train(args, engine) -> int:
@@ -65,8 +67,6 @@ def run_train(args, engine) -> int:
     out = Path(args.out)
     data = Path(args.data) if args.data else out / "data"
     max_tokens = args.max_tokens or max(args.min_tokens + 1, (engine.window or 8192) - 600)
-    if args.samples < 2 or args.min_tokens < 64 or max_tokens < args.min_tokens:
-        raise UserError("need --samples >= 2 and 64 <= --min-tokens <= --max-tokens")
     recipe = _recipe(args)
     t0 = time.time()
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

@@ -111,8 +111,7 @@ def build(engine, samples: list["TrainSample"], out: Path, *, chunk: int = 1024,
 
 def split(files: list[Path], every_nth: int = 10) -> tuple[list[Path], list[Path]]:
     """(training files, held-out files): every `every_nth` file, counting from 1, is held out."""
-    held = [f for i, f in enumerate(files) if i % every_nth == every_nth - 1]
-    return [f for f in files if f not in held], held
+    return [f for i, f in enumerate(files, 1) if i % every_nth], files[every_nth - 1::every_nth]
 
 
 def load(path: Path, names: tuple[str, ...] = ("features", "logit", "prob", "adjacent")) -> dict[str, torch.Tensor]:
