@@ -34,6 +34,7 @@ class Request:
     target: int | None = None  # budget target (model card); None: DEFAULT_TARGET
     card_chunk: int | None = None  # the card's chunk: the preferred speed when nothing was measured
     compact: bool = True  # compact positions: the cache, not the window, bounds the document
+    holds_prompt: str | None = None  # a policy that keeps the whole prompt while reading (its name), or None
     throughput: dict[int, float] = field(default_factory=dict)  # measured tokens/s per chunk (a tuned profile)
     weights_exact: int | None = None  # bytes of the loaded model, when it is loaded
 
@@ -70,6 +71,8 @@ class Plan:
         """Tokens a document may have: None = any length (compact positions keep memory and positions flat)."""
         if self.request.compact:
             return None
+        if self.request.holds_prompt:  # the whole prompt is in memory: the memory bounds it as well as the window
+            return max(0, self.full_attention_tokens() - self.request.max_new)
         return max(0, (self.shape.window or 0) - self.request.max_new)
 
     def lines(self) -> list[str]:
@@ -94,6 +97,9 @@ class Plan:
         if doc is None:
             out.append(f"documents    any length: the cache stays at {self.budget + self.chunk + r.local + r.max_new:,}"
                        f" units, so a {LONG_DOC // 1024}K-token document fits")
+        elif r.holds_prompt:
+            out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt in memory: "
+                       f"the window and the memory bound it, not the budget)")
         else:
             out.append(f"documents    up to {doc:,} tokens (original positions: the model's window)")
         out.append(f"full cache   the same memory holds {self.full_attention_tokens():,} tokens without eviction")

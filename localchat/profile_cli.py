@@ -10,6 +10,7 @@ from pathlib import Path
 
 from localchat import profiles
 from localchat.engine.memory import GIB, MIB, Device, Shape, detect, quantized, read_config
+from localchat.engine.policies import policy_class
 from localchat.errors import UserError
 from localchat.planner import CHUNKS, Plan, Request, make_plan, verify
 
@@ -145,6 +146,9 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
     act = "bf16" if kind == "cuda" else "fp32"
     weights = args.weights or act
     policy = args.policy or ("locret" if d_r or getattr(args, "heads", None) else None)
+    cls = policy_class(policy) if policy else None
+    bounded = cls is None or (cls.evicts and cls.evict_per_chunk)  # the budget bounds the cache while reading
+    positions = args.positions or (cls.default_positions if cls else "compact")
     locret = (card.locret if card else {}) or {}
     if policy == "locret" and not d_r:
         d_r = 1024  # the paper's d_R: heads trained for this model would be this size
@@ -159,7 +163,7 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
         d_r=d_r if policy in ("locret", None) else 0,
         margin=args.margin_mib * MIB if args.margin_mib is not None else None,
         target=locret.get("budget"), card_chunk=locret.get("chunk"),
-        compact=(args.positions or "compact") == "compact" and policy != "full",
+        compact=positions == "compact" and bounded, holds_prompt=None if bounded else policy,
         throughput=throughput,
     )
 

@@ -64,6 +64,7 @@ def stream_to(events, cancel, out: TextIO) -> Done | Error | None:
     Ctrl+C sets `cancel`, lets the engine stop at its next chunk or token, and returns None.
     """
     bar = ProgressBar()
+    midline = False  # answer text written since the last line break on the terminal
     try:
         for ev in events:
             if isinstance(ev, Progress):
@@ -71,9 +72,11 @@ def stream_to(events, cancel, out: TextIO) -> Done | Error | None:
                 continue
             bar.clear()
             if isinstance(ev, Notice):  # e.g. the chunk was halved after running out of memory
-                print(f"localchat: {ev.message}", file=sys.stderr)
+                print(f"{chr(10) if midline else ''}localchat: {ev.message}", file=sys.stderr)
+                midline = False
                 continue
             if isinstance(ev, Token):
+                midline = True
                 out.write(ev.text)
                 out.flush()
             else:

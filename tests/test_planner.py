@@ -115,6 +115,24 @@ def test_plan_rtx4090_llama_fits_a_128k_document(capsys):
     assert data["max_document"] is None and data["weights_dtype"] == "nf4"
 
 
+def test_plan_knows_which_policies_hold_the_whole_prompt(capsys):
+    def plan(*extra):
+        assert main(["plan", "--memory-gb", "24", "--device", "cuda", "--weights", "nf4", "--model", LLAMA, "--json",
+                     *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert plan("--policy", "locret")["max_document"] is None  # bounded cache, compact positions
+    window_doc = 131072 - 512
+    assert plan("--policy", "corm")["max_document"] == window_doc  # bounded, but original positions by default
+    for name in ("sagekv", "omnikv", "full"):  # the whole prompt stays: the memory bounds it below the window
+        data = plan("--policy", name)
+        assert data["max_document"] == data["full_cache_tokens"] - 512 < window_doc
+    assert main(["plan", "--model", LLAMA, "--policy", "sagekv", "--memory-gb", "24", "--device", "cuda"]) == 0
+    assert "sagekv keeps the whole prompt in memory" in capsys.readouterr().out
+    assert main(["plan", "--model", LLAMA, "--policy", "bogus"]) == 2
+    assert "unknown policy 'bogus'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("profile, model", [("rtx4060", "phi-3-mini-128k-instruct"),
                                             ("rtx4080", "qwen2.5-7b-instruct"),
                                             ("rtx3060", "llama-3.1-8b-instruct")])

@@ -8,7 +8,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from localchat.engine.cache import KVCache
-from localchat.engine.events import Done, Error, Notice
+from localchat.engine.events import Done, Error, Notice, Token
 from localchat.engine.heads import attention_modules
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.policies.base import PROTECT, follow
@@ -365,3 +365,17 @@ def test_each_seed_policy_answers_two_turns_of_a_session(tiny_tok, name):
             assert s.kv_units <= 48 + 8 + 6
     if name == "omnikv":
         assert s.kv_units == s.fed  # nothing is ever dropped
+
+
+def test_corm_cap_that_binds_while_answering_is_reported(tiny_tok):
+    from localchat.engine.engine import Engine
+
+    engine = Engine(_model(len(tiny_tok)), tiny_tok, name="tiny", chunk=64)
+    engine.set_policy(make_policy("corm", budget=6, local=0, window=4, recent=2))
+    events = list(engine.chat([{"role": "user", "content": "hello " * 12}], GenerationSettings(max_new_tokens=8)))
+    done = events[-1]
+    assert isinstance(done, Done) and done.new_tokens == 8 and done.kv_tokens <= 6
+    notes = [e.message for e in events if isinstance(e, Notice)]
+    assert notes[-1].startswith("corm wanted up to") and notes[-1].endswith("while answering")
+    assert events.index(next(e for e in events if isinstance(e, Notice) and e.message == notes[-1])) > max(
+        i for i, e in enumerate(events) if isinstance(e, Token))

@@ -16,7 +16,7 @@ from localchat.engine import loading
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard
 from localchat.engine.detok import StreamDecoder
-from localchat.engine.events import Done, Error, Event, Token
+from localchat.engine.events import Done, Error, Event, Notice, Token
 from localchat.engine.policies import Policy, make_policy
 from localchat.engine.qattention import FusedDecode
 from localchat.engine.qcache import KV_CHOICES, QuantizedKVCache, kv_bits
@@ -218,6 +218,9 @@ class Engine:
                 evict_while_decoding(cache, p)
                 pos += 1
             decode_s = time.perf_counter() - t1
+            note = p.notice()  # a cap that bound while answering (CORM)
+            if note:
+                yield Notice(f"{note} while answering")
         except Cancelled:
             reason = "cancelled"
             if prefill_s == 0.0:

@@ -18,11 +18,16 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, **settings) -> Policy:
+def policy_class(name: str) -> type[Policy]:
     from localchat.errors import UserError
 
     cls = POLICIES.get(name)
     if cls is None:
         raise UserError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    return cls
+
+
+def make_policy(name: str, **settings) -> Policy:
+    cls = policy_class(name)
     fields = cls.__dataclass_fields__
     return cls(**{k: v for k, v in settings.items() if k in fields and v is not None})
