@@ -379,3 +379,13 @@ def test_corm_cap_that_binds_while_answering_is_reported(tiny_tok):
     assert notes[-1].startswith("corm wanted up to") and notes[-1].endswith("while answering")
     assert events.index(next(e for e in events if isinstance(e, Notice) and e.message == notes[-1])) > max(
         i for i, e in enumerate(events) if isinstance(e, Token))
+
+
+def test_omnikv_filters_are_sorted_and_checked_against_the_depth(tiny_tok):
+    from localchat.engine.engine import Engine
+
+    assert make_policy("omnikv", filters=(3, 1, 3)).schedule(6) == (1, 3)
+    engine = Engine(_model(len(tiny_tok), layers=4), tiny_tok, name="tiny", chunk=32)
+    engine.set_policy(make_policy("omnikv", budget=8, filters=(1, 4)))
+    events = list(engine.chat([{"role": "user", "content": "hello " * 8}], GenerationSettings(max_new_tokens=2)))
+    assert isinstance(events[-1], Error) and "must lie in 0..3" in events[-1].message

@@ -50,6 +50,7 @@ class CORM(Policy):
     notice says so after prefill. Positions stay absolute. Defaults: window w = 256 (the paper's "256+256"),
     recent None = min(256, budget // 2) (the paper's r = 256, at most half the cap), budget 1024 as the cap,
     local 96 (the engine's question tail).
+    Paper: CORM, Dai et al. 2024 (specs/corm.md).
     """
 
     name = "corm"

@@ -12,6 +12,7 @@ from transformers.masking_utils import sdpa_mask
 
 from localchat.engine.policies.attention_stats import AttentionSwitch
 from localchat.engine.policies.base import Policy
+from localchat.errors import UserError
 
 OMNIKV_IMPL = "localchat_omnikv"
 _ATTR = "_localchat_omnikv"
@@ -103,6 +104,7 @@ class OmniKV(Policy):
     answer starts. Defaults: budget 1024 (an absolute count, as in the paper's latency runs), filters None =
     `filter_layers(depth)` (the paper's {2, 8, 18} of 32 scaled to the depth), softmax True (the paper;
     False: the code's logit max). The CPU offload of the sparse layers' KV is not implemented.
+    Paper: OmniKV, ICLR 2025 submission (specs/omnikv.md).
     """
 
     name = "omnikv"
@@ -114,7 +116,13 @@ class OmniKV(Policy):
     softmax: bool = True
 
     def schedule(self, depth: int) -> tuple[int, ...]:
-        return tuple(self.filters) if self.filters else filter_layers(depth)
+        if not self.filters:
+            return filter_layers(depth)
+        filters = tuple(sorted(set(self.filters)))
+        if filters[0] < 0 or filters[-1] >= depth:
+            raise UserError(f"omnikv filter layers {list(filters)} must lie in 0..{depth - 1}: the model has "
+                            f"{depth} layers")
+        return filters
 
     def attach(self, model, cache) -> None:
         super().attach(model, cache)

@@ -62,6 +62,9 @@ class RoCo(Policy):
     top-`budget` by MAS (= evict the lowest-MAS units in scope). The scores shown for a unit are its MAS.
     Positions stay absolute. Defaults: budget 1024, local 96 (the engine's question tail), scope_out
     None = budget // 2 (the paper's r = B/2), sinks 4 and last 10 ([code], EasyKV's prefill setting).
+    While answering, units are scored but not evicted unless `decode_window` is set (the engine's rule for
+    every policy: the question tail and the answer stay whole); the spec evicts at every step past B.
+    Paper: RoCo, arXiv 2402.06262 (specs/roco.md).
     """
 
     name = "roco"

@@ -49,6 +49,9 @@ class SageKV(Policy):
     decoded token. Positions stay absolute ("original"). Defaults: budget 1024, G from the model,
     S = B/4, k = B/(2G), R = B - S - G·k - 1; local 0 (the recent window holds the question).
     In a multi-turn chat the selection is re-run at the end of each turn's prompt over the whole cache.
+    GQA: the cache holds units per KV head, so a KV head keeps the union of its G query heads' top-k,
+    filled to G·k by the group's max logit (the spec's §2.5 variant; `select_middle`).
+    Paper: SAGE-KV, arXiv 2503.08879 (specs/sage-kv.md).
     """
 
     name = "sagekv"
