@@ -164,6 +164,7 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
         margin=args.margin_mib * MIB if args.margin_mib is not None else None,
         target=locret.get("budget"), card_chunk=locret.get("chunk"),
         compact=positions == "compact" and bounded, holds_prompt=None if bounded else policy,
+        scores=cls() if cls is not None else None,
         throughput=throughput,
     )
 
@@ -282,7 +283,7 @@ def fit_engine(engine, args) -> Plan | None:
                   weights=act, kv=engine.kv if getattr(engine, "kv", "none") != "none" else act, act=act, d_r=getattr(heads, "d_r", 0) if heads is not None else 0,
                   margin=args.margin_mib * MIB if getattr(args, "margin_mib", None) is not None else None,
                   target=p.budget, card_chunk=engine.chunk, compact=engine.positions == "compact",
-                  weights_exact=weights)
+                  weights_exact=weights, scores=p)
     shape = Shape.from_config(engine.model.config, name=engine.name)
     plan = make_plan(shape, memory, req, kind=device.kind, memory_source=f"free on {device.describe()}")
     if plan.budget < p.budget or plan.chunk < engine.chunk:

@@ -133,6 +133,29 @@ def test_plan_knows_which_policies_hold_the_whole_prompt(capsys):
     assert "unknown policy 'bogus'" in capsys.readouterr().err
 
 
+def test_policies_that_score_with_attention_rows_plan_for_them(capsys):
+    smol = shape("smollm2-135m-instruct")  # 30 layers, 9 query heads, 3 KV heads
+    req = dict(local=96, max_new=512, weights="fp32", kv="fp32", act="fp32", budget=1024, chunk=2048)
+    n = 1024 + 2048 + 96
+    plans = {name: make_plan(smol, 16 * m.GIB, Request(**req, scores=make_policy(name))) for name in
+             ("streaming", "h2o", "roco", "snapkv", "corm")}
+    extra = {name: plan.estimate.scores for name, plan in plans.items()}
+    assert extra["streaming"] == 0 and "policy scores" not in dict(plans["streaming"].estimate.rows())
+    assert extra["h2o"] == 4 * 9 * 2048 * n + 2048 * n  # every query's fp32 row + the causal mask
+    assert extra["roco"] == extra["h2o"] + 2 * 4 * 3 * 2048 * n  # + the group mean and its square
+    assert extra["snapkv"] == 4 * 9 * 32 * n + 32 * n  # the 32-query window only
+    assert extra["corm"] == 4 * 9 * 256 * n + 256 * n + 9 * 256 * n + 30 * 3 * 256 * n  # + CORM's messages
+    assert plans["h2o"].estimate.total == plans["streaming"].estimate.total + extra["h2o"]
+    assert main(["plan", "--policy", "roco", "--model", LLAMA, "--memory-gb", "24", "--device", "cuda",
+                 "--weights", "nf4", "--json"]) == 0
+    roco = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--policy", "streaming", "--model", LLAMA, "--memory-gb", "24", "--device", "cuda",
+                 "--weights", "nf4", "--json"]) == 0
+    streaming = json.loads(capsys.readouterr().out)
+    assert roco["bytes"]["policy scores"] > 0 and roco["fits"]
+    assert roco["budget"] * roco["chunk"] < streaming["budget"] * streaming["chunk"]  # it plans a smaller step
+
+
 @pytest.mark.parametrize("profile, model", [("rtx4060", "phi-3-mini-128k-instruct"),
                                             ("rtx4080", "qwen2.5-7b-instruct"),
                                             ("rtx3060", "llama-3.1-8b-instruct")])

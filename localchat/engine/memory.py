@@ -7,6 +7,8 @@ The memory model (DESIGN §3, specs/locret.md §2.6) in bytes:
   activations  one chunk through one layer (residual, norm, q/k/v, MLP gate/up/product) + last logits
   scratch      one chunk's attention: K/V repeated to the query heads (SDPA with a mask) + the mask
   heads        the retaining heads' weights and one chunk of their input and hidden layer
+  scores       what a policy's scoring adds (Policy.score_bytes): fp32 attention rows (H2O, RoCo, SnapKV,
+               CORM) and CORM's messages; 0 for LOCRET and the rest
   margin       room for the runtime (1 GiB on CUDA by default)
 """
 
@@ -225,25 +227,28 @@ class Estimate:
     heads: int
     margin: int
     notes: list[str] = field(default_factory=list)
+    scores: int = 0  # what the policy's scoring adds (attention rows in fp32, CORM's messages)
 
     @property
     def used(self) -> int:
         """Peak bytes the engine itself uses (everything but the margin)."""
-        return self.weights + self.kv + self.activations + self.scratch + self.heads
+        return self.weights + self.kv + self.activations + self.scratch + self.heads + self.scores
 
     @property
     def total(self) -> int:
         return self.used + self.margin
 
     def rows(self) -> list[tuple[str, int]]:
-        return [("weights", self.weights), ("KV cache", self.kv), ("activations", self.activations),
-                ("attention scratch", self.scratch), ("retaining heads", self.heads), ("margin", self.margin)]
+        rows = [("weights", self.weights), ("KV cache", self.kv), ("activations", self.activations),
+                ("attention scratch", self.scratch), ("retaining heads", self.heads)]
+        return rows + ([("policy scores", self.scores)] if self.scores else []) + [("margin", self.margin)]
 
 
 def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: int = 0, weights: str = "bf16",
              kv: str = "bf16", act: str = "bf16", d_r: int = 0, margin: int = 0,
-             weights_exact: int | None = None) -> Estimate:
-    """Peak memory of a LOCRET prefill + answer at these settings. `weights_exact`: the loaded model's bytes."""
+             weights_exact: int | None = None, scores=None) -> Estimate:
+    """Peak memory of a LOCRET prefill + answer at these settings. `weights_exact`: the loaded model's bytes;
+    `scores`: a policy whose scoring needs memory of its own (its `score_bytes`), or None."""
     units = kv_units(budget, chunk, local, max_new)
     return Estimate(
         weights=weights_exact if weights_exact is not None else weight_bytes(shape, weights),
@@ -252,6 +257,8 @@ def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: 
         scratch=scratch_bytes(shape, chunk, budget + chunk + local, act),
         heads=heads_bytes(shape, d_r, chunk, act),
         margin=margin,
+        scores=scores.score_bytes(shape.layers, shape.q_heads, shape.kv_heads, chunk, budget + chunk + local)
+        if scores is not None else 0,
     )
 
 

@@ -57,6 +57,12 @@ def window_probs(query: torch.Tensor, key: torch.Tensor, rows: int | None, scali
     return logits.div_(logits.sum(dim=-1, keepdim=True))
 
 
+def rows_bytes(q_heads: int, rows: int, n: int) -> int:
+    """Peak bytes of `window_probs` for `rows` queries over `n` keys: the fp32 `[H_q, rows, n]` buffer and
+    the causal mask."""
+    return 4 * q_heads * rows * n + rows * n
+
+
 def group_sum(probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Sum `[H_q, w, n]` over the window rows and each KV head's query group: `[H_kv, n]`."""
     h_q, w, n = probs.shape

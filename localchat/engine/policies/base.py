@@ -75,6 +75,11 @@ class Policy:
             return self.budget + chunk + self.local + grow
         return prompt_tokens + max_new
 
+    def score_bytes(self, layers: int, q_heads: int, kv_heads: int, chunk: int, n: int) -> int:
+        """Bytes that scoring a chunk of `chunk` queries against `n` cached units adds to the peak, beyond
+        SDPA's (the planner's "policy scores" row): attention rows materialised in fp32, kept messages."""
+        return 0
+
     def detach(self) -> None:
         pass
 

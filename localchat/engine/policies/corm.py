@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localchat.engine.policies.attention_stats import Collector, StatsHook
+from localchat.engine.policies.attention_stats import Collector, StatsHook, rows_bytes
 from localchat.engine.policies.base import PROTECT, Policy, follow, protect_recent
 
 
@@ -69,13 +69,20 @@ class CORM(Policy):
         if getattr(self, "cache_id", None) != id(cache) or cache.get_seq_length() == 0:
             self.messages: dict[int, Messages] = {}  # kept across turns on one cache; realigned by position
         self.cache_id = id(cache)
+        self.cache = cache
         self.pending: dict[int, torch.Tensor] = {}
         self.largest = 0  # the largest wanted count since the last notice
         self.capped = 0  # evictions where the cap bound since the last notice
         self.hook = StatsHook(model, Collector(self.window, self._collect))
 
     def _collect(self, layer_idx: int, probs: torch.Tensor) -> None:
-        self.pending[layer_idx] = probs
+        """Reduce this layer's `[H_q, w, n]` fp32 rows at once (holding every layer's until `observe` would
+        cost layers x H_q x w x n x 4 bytes): the important-bits `[H_kv, w, n]` and the last row's group max."""
+        kv_heads = self.model.config.num_key_value_heads
+        w = probs.shape[1]
+        queries = self.cache.layers[layer_idx].positions[0, -w:]  # already holds this forward's units
+        latest = probs[:, -1].reshape(kv_heads, -1, probs.shape[-1]).amax(dim=1)
+        self.pending[layer_idx] = (important(probs, queries, kv_heads), latest)
 
     def aligned(self, layer_idx: int, layer) -> Messages:
         """The message matrix for the units held now (units it has no column for: never important)."""
@@ -94,14 +101,10 @@ class CORM(Policy):
         return m
 
     def observe(self, cache, n_new, ids) -> None:
-        kv_heads = self.model.config.num_key_value_heads
         for i, layer in enumerate(cache.layers):
-            probs = self.pending.pop(i)  # [H_q, w, n]
-            w = probs.shape[1]
+            hit, latest = self.pending.pop(i)  # [H_kv, w, n] bool, [H_kv, n]
             m = self.aligned(i, layer)
-            hit = important(probs, layer.positions[0, -w:], kv_heads).to(m.rows.device)
-            m.rows = torch.cat([m.rows, hit], dim=1)[:, -self.window :]
-            latest = probs[:, -1].reshape(kv_heads, -1, probs.shape[-1]).amax(dim=1)
+            m.rows = torch.cat([m.rows, hit.to(m.rows.device)], dim=1)[:, -self.window :]
             layer.scores.copy_(latest)
 
     def keep_size(self, cache) -> int:
@@ -132,6 +135,12 @@ class CORM(Policy):
         self.capped = self.largest = 0
         return note
 
+    def score_bytes(self, layers, q_heads, kv_heads, chunk, n) -> int:
+        w = min(self.window, chunk)
+        messages = layers * kv_heads * self.window * n  # kept between forwards, one bool per (row, unit)
+        return rows_bytes(q_heads, w, n) + q_heads * w * n + messages  # + the threshold test's bools
+
     def detach(self) -> None:
         self.hook.close()
         self.pending = {}
+        self.cache = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum
+from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum, rows_bytes
 from localchat.engine.policies.base import Policy, protect_recent
 
 
@@ -45,6 +45,9 @@ class H2O(Policy):
 
     def priority(self, layer, layer_idx, last_chunk):
         return protect_recent(layer.scores.clone(), self.recent_size)
+
+    def score_bytes(self, layers, q_heads, kv_heads, chunk, n) -> int:
+        return rows_bytes(q_heads, chunk, n)  # every query of the chunk
 
     def detach(self) -> None:
         self.hook.close()

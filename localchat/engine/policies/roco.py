@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localchat.engine.policies.attention_stats import Collector, StatsHook
+from localchat.engine.policies.attention_stats import Collector, StatsHook, rows_bytes
 from localchat.engine.policies.base import PROTECT, Policy, follow, protect_first, protect_recent
 
 
@@ -124,6 +124,9 @@ class RoCo(Policy):
     def priority(self, layer, layer_idx, last_chunk):
         s = self.aligned(layer_idx, layer)
         return roco_priority(s, layer.positions, self.scope_out_size, self.sinks, self.last)
+
+    def score_bytes(self, layers, q_heads, kv_heads, chunk, n) -> int:
+        return rows_bytes(q_heads, chunk, n) + 2 * 4 * kv_heads * chunk * n  # + the group mean and its square
 
     def detach(self) -> None:
         self.hook.close()

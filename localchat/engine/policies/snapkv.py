@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum
+from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum, rows_bytes
 from localchat.engine.policies.base import Policy, protect_recent
 
 
@@ -43,6 +43,9 @@ class SnapKV(Policy):
 
     def priority(self, layer, layer_idx, last_chunk):
         return protect_recent(layer.scores.clone(), self.window)
+
+    def score_bytes(self, layers, q_heads, kv_heads, chunk, n) -> int:
+        return rows_bytes(q_heads, min(self.window, chunk), n)
 
     def detach(self) -> None:
         self.hook.close()
