@@ -142,3 +142,24 @@ def test_stream_decoder_never_splits_a_character(tiny_tok):
     pieces = [dec.push(i) for i in ids]
     assert "".join(pieces) == text == dec.text()
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_policies_that_keep_every_token_are_refused_what_memory_cannot_hold(tiny_engine, monkeypatch):
+    from localchat.engine import memory
+    from localchat.engine.policies import make_policy
+
+    unit = memory.kv_unit_bytes(memory.Shape.from_config(tiny_engine.model.config), "fp32")
+    text = "hello " * 40
+    units = len(tiny_engine.encode_chat([{"role": "user", "content": text}])) + 12  # prompt + answer
+    free = {"bytes": 512 * memory.MIB + unit * (units - 1)}  # one token short, after the CPU margin
+    monkeypatch.setattr(memory, "detect", lambda kind=None: memory.Device("cpu", "test", 2**40, free["bytes"]))
+    for name in ("full", "sagekv", "omnikv"):
+        tiny_engine.set_policy(make_policy(name, budget=16))
+        events = _events(tiny_engine, text)
+        assert len(events) == 1 and isinstance(events[0], Error)
+        assert events[0].message.startswith(f"{name} keeps every token: {units:,} more need")
+    tiny_engine.set_policy(make_policy("streaming", budget=16))  # a bounded cache is not refused
+    assert isinstance(_events(tiny_engine, text)[-1], Done)
+    free["bytes"] += unit
+    tiny_engine.set_policy(make_policy("full"))
+    assert isinstance(_events(tiny_engine, text)[-1], Done)

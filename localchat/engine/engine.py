@@ -125,6 +125,7 @@ class Engine:
             if not prompt_ids:
                 raise UserError("nothing to read: the prompt is empty")
             self._check_window(first_pos + len(prompt_ids))
+            self._check_memory(len(prompt_ids) + settings.max_new_tokens)
             if cache is None:
                 cache = self.new_cache(len(prompt_ids), settings.max_new_tokens)
             yield from self._generate(cache, prompt_ids, first_pos, settings, cancel, keep_last)
@@ -169,6 +170,25 @@ class Engine:
                 f"{self.policy.name} attention at {self.positions} positions; use --policy locret "
                 f"--positions compact, or shorten the document"
             )
+
+    def _check_memory(self, new_units: int) -> None:
+        """A policy that keeps every token (full, SAGE-KV, OmniKV) needs the new tokens' K and V in memory:
+        refuse, before reading, what the free memory cannot hold (instead of running out mid-way)."""
+        from localchat.engine.memory import MIB, Shape, detect, kv_unit_bytes
+
+        p = self.policy
+        if p.evicts and p.evict_per_chunk:
+            return  # the budget bounds the cache
+        kind = "cuda" if self.device.type == "cuda" else "cpu"
+        act = self.model.get_input_embeddings().weight.dtype  # embeddings keep the activation dtype
+        dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(act, "bf16")
+        need = new_units * kv_unit_bytes(Shape.from_config(self.model.config), dtype)
+        free = detect(kind).free - (1024 if kind == "cuda" else 512) * MIB  # the planner's margin
+        if need > free:
+            gib = 1024 * MIB
+            raise UserError(f"{p.name} keeps every token: {new_units:,} more need {need / gib:.1f} GiB but "
+                            f"{max(free, 0) / gib:.1f} GiB is free (after a margin); use --policy locret "
+                            f"(a bounded cache) or a shorter document")
 
     @torch.inference_mode()
     def _generate(self, cache: KVCache, prompt_ids: list[int], first_pos: int, settings: GenerationSettings,
