@@ -104,7 +104,7 @@ class CORM(Policy):
         for i, layer in enumerate(cache.layers):
             hit, latest = self.pending.pop(i)  # [H_kv, w, n] bool, [H_kv, n]
             m = self.aligned(i, layer)
-            m.rows = torch.cat([m.rows, hit.to(m.rows.device)], dim=1)[:, -self.window :]
+            m.rows = torch.cat([m.rows, hit.to(m.rows.device)], dim=1)[:, -self.window :].contiguous()  # frees the rest
             layer.scores.copy_(latest)
 
     def keep_size(self, cache) -> int:
