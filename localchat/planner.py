@@ -37,7 +37,7 @@ class Request:
     holds_prompt: str | None = None  # a policy that keeps the whole prompt while reading (its name), or None
     throughput: dict[int, float] = field(default_factory=dict)  # measured tokens/s per chunk (a tuned profile)
     weights_exact: int | None = None  # bytes of the loaded model, when it is loaded
-    scores: object = None  # the policy, when its scoring needs memory of its own (Policy.score_bytes)
+    policy: object = None  # the Policy; its scoring may need memory of its own (Policy.score_bytes)
 
 
 @dataclass
@@ -126,7 +126,7 @@ def _margin(req: Request, kind: str) -> int:
 def _estimate(shape: Shape, req: Request, budget: int, chunk: int, margin: int) -> Estimate:
     return estimate(shape, budget=budget, chunk=chunk, local=req.local, max_new=req.max_new, weights=req.weights,
                     kv=req.kv, act=req.act, d_r=req.d_r, margin=margin, weights_exact=req.weights_exact,
-                    scores=req.scores)
+                    policy=req.policy)
 
 
 def _window_ok(shape: Shape, req: Request, budget: int, chunk: int) -> bool:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from localchat import profiles
-from localchat.engine.memory import GIB, MIB, Device, Shape, detect, quantized, read_config
+from localchat.engine.memory import GIB, MIB, Device, Shape, detect, dtype_name, quantized, read_config
 from localchat.engine.policies import policy_class
 from localchat.errors import UserError
 from localchat.planner import CHUNKS, Plan, Request, make_plan, verify
@@ -147,7 +147,7 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
     weights = args.weights or act
     policy = args.policy or ("locret" if d_r or getattr(args, "heads", None) else None)
     cls = policy_class(policy) if policy else None
-    bounded = cls is None or (cls.evicts and cls.evict_per_chunk)  # the budget bounds the cache while reading
+    bounded = cls is None or cls.bounded()
     positions = args.positions or (cls.default_positions if cls else "compact")
     locret = (card.locret if card else {}) or {}
     if policy == "locret" and not d_r:
@@ -164,7 +164,7 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
         margin=args.margin_mib * MIB if args.margin_mib is not None else None,
         target=locret.get("budget"), card_chunk=locret.get("chunk"),
         compact=positions == "compact" and bounded, holds_prompt=None if bounded else policy,
-        scores=cls() if cls is not None else None,
+        policy=cls() if cls is not None else None,
         throughput=throughput,
     )
 
@@ -271,19 +271,19 @@ def fit_engine(engine, args) -> Plan | None:
     from localchat.engine.memory import model_bytes
 
     p = engine.policy
-    if not p.evicts or not p.evict_per_chunk:
+    if not p.bounded():
         return None
     device = detect("cuda" if engine.device.type == "cuda" else "cpu")
     weights = model_bytes(engine.model)
     memory = device.free + (weights if device.kind == "cpu" else torch.cuda.memory_allocated())
     heads = getattr(p, "heads", None)
     dtype = next(engine.model.parameters()).dtype
-    act = {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16")
+    act = dtype_name(dtype)
     req = Request(budget=args.budget, chunk=args.chunk, local=p.local, max_new=getattr(args, "max_new_tokens", 512),
                   weights=act, kv=engine.kv if getattr(engine, "kv", "none") != "none" else act, act=act, d_r=getattr(heads, "d_r", 0) if heads is not None else 0,
                   margin=args.margin_mib * MIB if getattr(args, "margin_mib", None) is not None else None,
                   target=p.budget, card_chunk=engine.chunk, compact=engine.positions == "compact",
-                  weights_exact=weights, scores=p)
+                  weights_exact=weights, policy=p)
     shape = Shape.from_config(engine.model.config, name=engine.name)
     plan = make_plan(shape, memory, req, kind=device.kind, memory_source=f"free on {device.describe()}")
     if plan.budget < p.budget or plan.chunk < engine.chunk:

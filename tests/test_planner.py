@@ -137,7 +137,7 @@ def test_policies_that_score_with_attention_rows_plan_for_them(capsys):
     smol = shape("smollm2-135m-instruct")  # 30 layers, 9 query heads, 3 KV heads
     req = dict(local=96, max_new=512, weights="fp32", kv="fp32", act="fp32", budget=1024, chunk=2048)
     n = 1024 + 2048 + 96
-    plans = {name: make_plan(smol, 16 * m.GIB, Request(**req, scores=make_policy(name))) for name in
+    plans = {name: make_plan(smol, 16 * m.GIB, Request(**req, policy=make_policy(name))) for name in
              ("streaming", "h2o", "roco", "snapkv", "corm")}
     extra = {name: plan.estimate.scores for name, plan in plans.items()}
     assert extra["streaming"] == 0 and "policy scores" not in dict(plans["streaming"].estimate.rows())

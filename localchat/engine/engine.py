@@ -152,7 +152,7 @@ class Engine:
     @property
     def compressing(self) -> bool:
         """True when positions stay bounded by the budget (compact positions with an evicting policy)."""
-        return self.policy.evicts and self.policy.evict_per_chunk and self.positions == "compact"
+        return self.policy.bounded() and self.positions == "compact"
 
     def _check_window(self, n_total: int) -> None:
         if not self.window:
@@ -174,20 +174,19 @@ class Engine:
     def _check_memory(self, new_units: int) -> None:
         """A policy that keeps every token (full, SAGE-KV, OmniKV) needs the new tokens' K and V in memory:
         refuse, before reading, what the free memory cannot hold (instead of running out mid-way)."""
-        from localchat.engine.memory import MIB, Shape, detect, kv_unit_bytes
+        from localchat.engine.memory import GIB, Shape, detect, dtype_name, kv_unit_bytes
+        from localchat.planner import DEFAULT_MARGIN
 
         p = self.policy
-        if p.evicts and p.evict_per_chunk:
-            return  # the budget bounds the cache
+        if p.bounded():
+            return
         kind = "cuda" if self.device.type == "cuda" else "cpu"
-        act = self.model.get_input_embeddings().weight.dtype  # embeddings keep the activation dtype
-        dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(act, "bf16")
-        need = new_units * kv_unit_bytes(Shape.from_config(self.model.config), dtype)
-        free = detect(kind).free - (1024 if kind == "cuda" else 512) * MIB  # the planner's margin
+        act = dtype_name(self.model.get_input_embeddings().weight.dtype)  # embeddings keep the activation dtype
+        need = new_units * kv_unit_bytes(Shape.from_config(self.model.config), act)
+        free = detect(kind).free - DEFAULT_MARGIN[kind]
         if need > free:
-            gib = 1024 * MIB
-            raise UserError(f"{p.name} keeps every token: {new_units:,} more need {need / gib:.1f} GiB but "
-                            f"{max(free, 0) / gib:.1f} GiB is free (after a margin); use --policy locret "
+            raise UserError(f"{p.name} keeps every token: {new_units:,} more need {need / GIB:.1f} GiB but "
+                            f"{max(free, 0) / GIB:.1f} GiB is free (after a margin); use --policy locret "
                             f"(a bounded cache) or a shorter document")
 
     @torch.inference_mode()

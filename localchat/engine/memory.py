@@ -28,6 +28,11 @@ DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "nf4": 4, "int4": 4
 QUANT_GROUP = 64  # elements per scale for the quantized dtypes
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype's name in this memory model: fp32, fp16, else bf16."""
+    return {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(dtype), "bf16")
+
+
 def dtype_bits(name: str) -> int:
     try:
         return DTYPE_BITS[name]
@@ -246,9 +251,9 @@ class Estimate:
 
 def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: int = 0, weights: str = "bf16",
              kv: str = "bf16", act: str = "bf16", d_r: int = 0, margin: int = 0,
-             weights_exact: int | None = None, scores=None) -> Estimate:
+             weights_exact: int | None = None, policy=None) -> Estimate:
     """Peak memory of a LOCRET prefill + answer at these settings. `weights_exact`: the loaded model's bytes;
-    `scores`: a policy whose scoring needs memory of its own (its `score_bytes`), or None."""
+    `policy`: the Policy, whose scoring may need memory of its own (its `score_bytes`), or None."""
     units = kv_units(budget, chunk, local, max_new)
     return Estimate(
         weights=weights_exact if weights_exact is not None else weight_bytes(shape, weights),
@@ -257,8 +262,8 @@ def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: 
         scratch=scratch_bytes(shape, chunk, budget + chunk + local, act),
         heads=heads_bytes(shape, d_r, chunk, act),
         margin=margin,
-        scores=scores.score_bytes(shape.layers, shape.q_heads, shape.kv_heads, chunk, budget + chunk + local)
-        if scores is not None else 0,
+        scores=policy.score_bytes(shape.layers, shape.q_heads, shape.kv_heads, chunk, budget + chunk + local)
+        if policy is not None else 0,
     )
 
 

@@ -68,9 +68,15 @@ class Policy:
     def notice(self) -> str | None:
         return None
 
+    @classmethod
+    def bounded(cls) -> bool:
+        """True when the budget bounds the cache while reading (evicting after every chunk); False for the
+        policies that keep the whole prompt (full, OmniKV; SAGE-KV until the prompt ends)."""
+        return cls.evicts and cls.evict_per_chunk
+
     def peak_units(self, prompt_tokens: int, chunk: int, max_new: int) -> int:
         """The cache's peak length per KV head for a prompt (what the engine reserves and plans for)."""
-        if self.evicts and self.evict_per_chunk:
+        if self.bounded():
             grow = min(max_new, 2 * self.decode_window) if self.decode_window else max_new
             return self.budget + chunk + self.local + grow
         return prompt_tokens + max_new

@@ -70,7 +70,7 @@ class CORM(Policy):
             self.messages: dict[int, Messages] = {}  # kept across turns on one cache; realigned by position
         self.cache_id = id(cache)
         self.cache = cache
-        self.pending: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (important bits, last row)
         self.largest = 0  # the largest wanted count since the last notice
         self.capped = 0  # evictions where the cap bound since the last notice
         self.hook = StatsHook(model, Collector(self.window, self._collect))
