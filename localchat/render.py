@@ -72,7 +72,7 @@ def stream_to(events, cancel, out: TextIO) -> Done | Error | None:
                 continue
             bar.clear()
             if isinstance(ev, Notice):  # e.g. the chunk was halved after running out of memory
-                print(f"{chr(10) if midline else ''}localchat: {ev.message}", file=sys.stderr)
+                print(("\n" if midline else "") + f"localchat: {ev.message}", file=sys.stderr)
                 midline = False
                 continue
             if isinstance(ev, Token):
