@@ -36,6 +36,8 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--decode-window", type=int, default=d(None),
                    help="evict during long answers too, keeping budget + this many recent units (default off)")
     p.add_argument("--heads", default=d(None), help="retaining heads directory, or `random` (ablation)")
+    p.add_argument("--offload", action="store_true", default=d(False),
+                   help="OmniKV on a GPU: keep the sparse layers' K/V in host memory and copy in what they attend to")
     p.add_argument("--profile", "-P", default=d(None), metavar="NAME",
                    help="device profile (`localchat profile list`), or `none`; default: config.toml's default_profile")
     if "--weights" not in p._option_string_actions:  # plan / profile parsers add their own
@@ -134,7 +136,8 @@ def load_engine(args):
     engine = Engine.load(args.model, chunk=args.chunk, positions=args.positions,
                          weights=getattr(args, "weights", None), kv=kv_choice(getattr(args, "kv", None)))
     engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
-                                 local=args.local, heads=args.heads, decode_window=args.decode_window),
+                                 local=args.local, heads=args.heads, decode_window=args.decode_window,
+                                 offload=getattr(args, "offload", False)),
                       args.positions)
     fit_engine(engine, args)
     return engine

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from localchat.engine.memory import GIB, MIB, Device, Estimate, Shape, estimate
+from localchat.engine.memory import GIB, MIB, Device, Estimate, Shape, estimate, kv_unit_bytes, split_bytes
 from localchat.errors import UserError
 
 CHUNKS = (256, 512, 1024, 2048, 4096)  # candidate chunk sizes, smallest first
@@ -38,6 +38,7 @@ class Request:
     throughput: dict[int, float] = field(default_factory=dict)  # measured tokens/s per chunk (a tuned profile)
     weights_exact: int | None = None  # bytes of the loaded model, when it is loaded
     policy: object = None  # the Policy; its scoring may need memory of its own (Policy.score_bytes)
+    host_memory: int | None = None  # bytes free in host memory, for layers the policy offloads there (OmniKV)
 
 
 @dataclass
@@ -57,15 +58,27 @@ class Plan:
     def fits(self) -> bool:
         return self.estimate.total <= self.memory
 
-    def full_attention_tokens(self) -> int:
-        """How many tokens the same memory holds with no eviction (a full cache, original positions)."""
+    def offloaded(self) -> int:
+        """Layers whose K/V the policy keeps in host memory on this device (OmniKV --offload on a GPU)."""
+        p = self.request.policy
+        return p.offloaded_layers(self.shape.layers) if p is not None and self.kind == "cuda" else 0
+
+    def full_attention_tokens(self, offload: bool = True) -> int:
+        """How many tokens the same memory holds with no eviction (a full cache, original positions). With
+        offloaded layers the device holds the others' K/V (plus two streamed through), host memory the rest."""
         r = self.request
         fixed = estimate(self.shape, budget=0, chunk=self.chunk, local=0, max_new=0, weights=r.weights, kv=r.kv,
                          act=r.act, d_r=r.d_r, margin=self.estimate.margin, weights_exact=r.weights_exact)
         per_token = estimate(self.shape, budget=1, chunk=self.chunk, local=0, max_new=0, weights=r.weights,
                              kv=r.kv, act=r.act, d_r=r.d_r, margin=self.estimate.margin,
                              weights_exact=r.weights_exact).total - fixed.total
+        off, depth = (self.offloaded() if offload else 0), self.shape.layers
+        unit = kv_unit_bytes(self.shape, r.kv)
+        on_device, in_host = split_bytes(unit, depth, off)
+        per_token -= unit - on_device
         n = max(0, (self.memory - fixed.total) // max(per_token, 1))
+        if off and r.host_memory is not None:
+            n = min(n, max(0, r.host_memory) // max(in_host, 1))
         return int(min(n, self.shape.window)) if self.shape.window else int(n)
 
     def max_document(self) -> int | None:
@@ -98,12 +111,20 @@ class Plan:
         if doc is None:
             out.append(f"documents    any length: the cache stays at {self.budget + self.chunk + r.local + r.max_new:,}"
                        f" units, so a {LONG_DOC // 1024}K-token document fits")
+        elif r.holds_prompt and self.offloaded():
+            host = f"{r.host_memory / GIB:.1f} GiB free" if r.host_memory is not None else "its size unknown"
+            out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt: "
+                       f"{self.offloaded()} of {self.shape.layers} layers in host memory ({host}), the rest "
+                       f"on the GPU; the window and both memories bound it)")
         elif r.holds_prompt:
             out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt in memory: "
                        f"the window and the memory bound it, not the budget)")
         else:
             out.append(f"documents    up to {doc:,} tokens (original positions: the model's window)")
-        out.append(f"full cache   the same memory holds {self.full_attention_tokens():,} tokens without eviction")
+        if self.offloaded():
+            out.append(f"full cache   without --offload the GPU holds {self.full_attention_tokens(offload=False):,} tokens")
+        else:
+            out.append(f"full cache   the same memory holds {self.full_attention_tokens():,} tokens without eviction")
         tps = r.throughput.get(self.chunk)
         if tps:
             out.append(f"reading      {tps:,.0f} tokens/s measured: a {LONG_DOC // 1024}K document in about "

@@ -11,8 +11,9 @@ from pathlib import Path
 from localchat import profiles
 from localchat.engine.memory import GIB, MIB, Device, Shape, detect, dtype_name, quantized, read_config
 from localchat.engine.policies import policy_class
+from localchat.engine.policy_setup import check_offload
 from localchat.errors import UserError
-from localchat.planner import CHUNKS, Plan, Request, make_plan, verify
+from localchat.planner import CHUNKS, DEFAULT_MARGIN, Plan, Request, make_plan, verify
 
 # profile setting -> argparse attribute
 ARG_NAMES = {"model": "model", "policy": "policy", "positions": "positions", "budget": "budget", "chunk": "chunk",
@@ -147,6 +148,9 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
     weights = args.weights or act
     policy = args.policy or ("locret" if d_r or getattr(args, "heads", None) else None)
     cls = policy_class(policy) if policy else None
+    offload = bool(getattr(args, "offload", False))
+    if offload:
+        check_offload(policy, kind, "plan it for a GPU with --device cuda --memory-gb N")
     bounded = cls is None or cls.bounded()
     positions = args.positions or (cls.default_positions if cls else "compact")
     locret = (card.locret if card else {}) or {}
@@ -164,9 +168,11 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
         margin=args.margin_mib * MIB if args.margin_mib is not None else None,
         target=locret.get("budget"), card_chunk=locret.get("chunk"),
         compact=positions == "compact" and bounded, holds_prompt=None if bounded else policy,
-        policy=cls() if cls is not None else None,
+        policy=(cls(offload=True) if offload else cls()) if cls is not None else None,
         throughput=throughput,
+        host_memory=detect("cpu").free - DEFAULT_MARGIN["cpu"] if offload else None,
     )
+
 
 
 def _plan(args, quiet: bool = False) -> tuple[Plan, profiles.Resolved, Device]:
@@ -228,7 +234,8 @@ def load_measured(args) -> tuple[object, int]:
     engine.weights = weights
     engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
                                  local=args.local, heads=getattr(args, "heads", None),
-                                 decode_window=getattr(args, "decode_window", None)), args.positions)
+                                 decode_window=getattr(args, "decode_window", None),
+                                 offload=getattr(args, "offload", False)), args.positions)
     return engine, baseline
 
 

@@ -433,3 +433,13 @@ def test_every_policy_answers_about_a_document_in_the_window(tiny_engine, tmp_pa
             assert done.kv_tokens >= done.prompt_tokens
 
     run(scenario, make_app(tiny_engine))
+
+
+def test_offload_from_the_flags_follows_only_omnikv(tiny_engine):
+    async def scenario(app, pilot):
+        await type_text(pilot, "/policy streaming")  # --offload is OmniKV's: other policies switch as usual
+        assert tiny_engine.policy.name == "streaming" and not errors(app)
+        await type_text(pilot, "/policy omnikv")  # and OmniKV gets it: on this CPU, the one-line refusal
+        assert "this runs on the CPU" in errors(app)[-1] and tiny_engine.policy.name == "streaming"
+
+    run(scenario, make_app(tiny_engine, policy_args={"offload": True}))

@@ -183,5 +183,7 @@ class KVCache(Cache):
         """An independent copy (a snapshot; the cache is bounded, so this is cheap for evicting policies)."""
         copy = KVCache(len(self.layers), reserve=self.layers[0].reserve, positions=self.positions,
                        inv_freq=self.inv_freq)
-        copy.load_tensors(self.tensors())
+        tensors = self.tensors()
+        bank = getattr(self, "bank", None)  # OmniKV --offload: some layers' units are in host memory
+        copy.load_tensors({k: v.to(bank.device) for k, v in tensors.items()} if bank is not None else tensors)
         return copy

@@ -173,8 +173,10 @@ class Engine:
 
     def _check_memory(self, new_units: int) -> None:
         """A policy that keeps every token (full, SAGE-KV, OmniKV) needs the new tokens' K and V in memory:
-        refuse, before reading, what the free memory cannot hold (instead of running out mid-way)."""
-        from localchat.engine.memory import GIB, Shape, detect, dtype_name, kv_unit_bytes
+        refuse, before reading, what the free memory cannot hold (instead of running out mid-way). With
+        OmniKV --offload on a GPU the offloaded layers' share goes to host memory; reading streams up to two
+        of them through the GPU."""
+        from localchat.engine.memory import GIB, Shape, detect, dtype_name, kv_unit_bytes, split_bytes
         from localchat.planner import DEFAULT_MARGIN
 
         p = self.policy
@@ -183,11 +185,20 @@ class Engine:
         kind = "cuda" if self.device.type == "cuda" else "cpu"
         act = dtype_name(self.model.get_input_embeddings().weight.dtype)  # embeddings keep the activation dtype
         need = new_units * kv_unit_bytes(Shape.from_config(self.model.config), act)
+        depth = self.model.config.num_hidden_layers
+        off = p.offloaded_layers(depth) if kind == "cuda" else 0
+        on_device, in_host = split_bytes(need, depth, off)
         free = detect(kind).free - DEFAULT_MARGIN[kind]
-        if need > free:
-            raise UserError(f"{p.name} keeps every token: {new_units:,} more need {need / GIB:.1f} GiB but "
-                            f"{max(free, 0) / GIB:.1f} GiB is free (after a margin); use --policy locret "
+        if on_device > free:
+            where = f" on the GPU ({off} offloaded layers' share goes to host memory)" if off else ""
+            raise UserError(f"{p.name} keeps every token: {new_units:,} more need {on_device / GIB:.1f} GiB{where} "
+                            f"but {max(free, 0) / GIB:.1f} GiB is free (after a margin); use --policy locret "
                             f"(a bounded cache) or a shorter document")
+        host_free = detect("cpu").free - DEFAULT_MARGIN["cpu"] if off else 0
+        if off and in_host > host_free:
+            raise UserError(f"{p.name} --offload keeps {off} layers in host memory: {new_units:,} more tokens need "
+                            f"{in_host / GIB:.1f} GiB there but {max(host_free, 0) / GIB:.1f} GiB is free; "
+                            f"use --policy locret (a bounded cache) or a shorter document")
 
     @torch.inference_mode()
     def _generate(self, cache: KVCache, prompt_ids: list[int], first_pos: int, settings: GenerationSettings,

@@ -194,6 +194,12 @@ def kv_unit_bytes(shape: Shape, kv: str = "bf16") -> int:
     return int(round(shape.layers * shape.kv_heads * per_head))
 
 
+def split_bytes(kv_bytes: int, depth: int, offloaded: int) -> tuple[int, int]:
+    """K/V bytes over all `depth` layers split into (device, host) when `offloaded` layers live in host
+    memory; reading streams up to two of them through the device, so those count on both sides."""
+    return kv_bytes * (depth - offloaded + min(2, offloaded)) // depth, kv_bytes * offloaded // depth
+
+
 def kv_units(budget: int, chunk: int, local: int, max_new: int) -> int:
     """The cache's peak length per KV head: what Engine.new_cache reserves for an evicting policy."""
     return budget + chunk + local + max_new

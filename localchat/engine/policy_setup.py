@@ -31,16 +31,20 @@ def load_heads(engine, heads: str | None) -> RetainingHeads:
 
 
 def policy_for(engine, name: str | None, *, budget: int | None = None, stabilizers: int | None = None,
-               local: int | None = None, heads: str | None = None, decode_window: int | None = None) -> Policy:
+               local: int | None = None, heads: str | None = None, decode_window: int | None = None,
+               offload: bool = False) -> Policy:
     """`name` defaults to locret when trained heads exist for the model (or --heads is given), else full."""
     if name is None:
         name = "locret" if heads or shipped_heads_dir(engine) else "full"
+    if offload:
+        check_offload(name, engine.device.type, "run it where a CUDA GPU is")
     card = engine.card.locret if engine.card else {}
     settings = {
         "budget": budget if budget is not None else card.get("budget"),
         "stabilizers": stabilizers if stabilizers is not None else card.get("stabilizers"),
         "local": local if local is not None else card.get("local"),
         "decode_window": decode_window,
+        "offload": offload or None,
     }
     if name == "locret":
         settings["heads"] = load_heads(engine, heads)
@@ -48,3 +52,13 @@ def policy_for(engine, name: str | None, *, budget: int | None = None, stabilize
     if policy.evicts and getattr(policy, "stabilizers", 0) >= policy.budget:
         raise UserError(f"--stabilizers ({policy.stabilizers}) must be below --budget ({policy.budget})")
     return policy
+
+
+def check_offload(policy: str | None, kind: str, fix: str) -> None:
+    """--offload is OmniKV's, and it moves K/V from GPU memory to host memory: a CPU has nothing to move."""
+    if policy != "omnikv":
+        raise UserError(f"--offload applies to --policy omnikv (it keeps OmniKV's full cache in host memory), "
+                        f"not to {policy or 'the default policy'}; drop --offload or add --policy omnikv")
+    if kind != "cuda":
+        raise UserError(f"--offload moves OmniKV's cache from GPU memory to host memory, and this runs on the CPU; "
+                        f"drop --offload, or {fix}")

@@ -76,7 +76,8 @@ class LocalChatApp(App):
         positions = args.pop("positions", None)
         if budget is not None:
             args["budget"] = budget
-        policy = policy_for(self.engine, name or self.engine.policy.name, **args)
+        name = name or self.engine.policy.name
+        policy = policy_for(self.engine, name, **_for_policy(name, args))
         self.session.set_policy(policy, positions)
         if budget is not None:
             self.policy_args["budget"] = budget
@@ -94,7 +95,8 @@ class LocalChatApp(App):
             if key in values:
                 args[key] = values[key]
         positions = args.pop("positions", None)
-        policy = policy_for(self.engine, values.get("policy", self.engine.policy.name), **args)
+        name = values.get("policy", self.engine.policy.name)
+        policy = policy_for(self.engine, name, **_for_policy(name, args))
         if "chunk" in values:
             self.engine.chunk = int(values["chunk"])
         self.session.set_policy(policy, positions)
@@ -150,12 +152,18 @@ class LocalChatApp(App):
         await screen.run_command(commands.Command(name, ""))
 
 
+def _for_policy(name: str, args: dict) -> dict:
+    """policy_for() keywords for `name`: --offload is OmniKV's, the other policies keep the cache on the device."""
+    return {k: v for k, v in args.items() if k != "offload" or name == "omnikv"}
+
+
 def run_tui(args, settings) -> int:
     """`localchat` with no subcommand: the chat window; the model loads in the background."""
     from localchat.cli import load_engine
 
     policy_args = {"budget": args.budget, "stabilizers": args.stabilizers, "local": args.local,
-                   "heads": args.heads, "decode_window": args.decode_window, "positions": args.positions}
+                   "heads": args.heads, "decode_window": args.decode_window, "positions": args.positions,
+                   "offload": getattr(args, "offload", False)}
     def load():
         engine = load_engine(args)  # applies the profile and the plan to args
         app.policy_args.update({k: getattr(args, k) for k in ("budget", "stabilizers", "local", "positions")})

@@ -34,6 +34,8 @@ from typing import ClassVar
 
 import torch
 
+from localchat.engine.offload import unbank_cache
+
 PROTECT = torch.finfo(torch.float32).max  # "+inf" that survives arithmetic (as LOCRET's code does)
 
 
@@ -52,6 +54,7 @@ class Policy:
 
     def attach(self, model, cache) -> None:
         self.model = model
+        unbank_cache(cache)  # a cache OmniKV --offload kept in host memory comes back to the device
 
     def observe(self, cache, n_new: int, ids: torch.Tensor) -> None:
         """Score the newest `n_new` units of every layer (`ids`: their token ids `[1, n_new]`)."""
@@ -80,6 +83,11 @@ class Policy:
             grow = min(max_new, 2 * self.decode_window) if self.decode_window else max_new
             return self.budget + chunk + self.local + grow
         return prompt_tokens + max_new
+
+    def offloaded_layers(self, depth: int) -> int:
+        """Layers whose K/V is kept in host memory instead of the device's (OmniKV --offload); reading
+        streams up to two of them through the device at a time."""
+        return 0
 
     def score_bytes(self, layers: int, q_heads: int, kv_heads: int, chunk: int, n: int) -> int:
         """Bytes that scoring a chunk of `chunk` queries against `n` cached units adds to the peak, beyond

@@ -10,6 +10,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from localchat.engine.offload import Bank, bank_cache, unbank_cache
 from localchat.engine.policies.attention_stats import AttentionSwitch
 from localchat.engine.policies.base import Policy
 from localchat.errors import UserError
@@ -39,6 +40,20 @@ def layer_roles(depth: int, filters: tuple[int, ...]) -> list[str]:
     return roles
 
 
+def bank_groups(roles: list[str]) -> dict[int, list[int]]:
+    """Filter layer -> the sparse layers that attend to its selection (those up to the next filter): what
+    `--offload` keeps in host memory and loads in one packed copy per filter layer."""
+    groups: dict[int, list[int]] = {}
+    current = None
+    for i, role in enumerate(roles):
+        if role == "filter":
+            current = i
+            groups[i] = []
+        elif role == "sparse":
+            groups[current].append(i)
+    return groups
+
+
 def select_tokens(query: torch.Tensor, key: torch.Tensor, prompt: int, k: int, scaling: float,
                   softmax: bool = True) -> torch.Tensor:
     """One index set `[min(k, prompt)]` (ascending slots) shared by every head of the following layers.
@@ -65,6 +80,7 @@ class Selection:
     softmax: bool
     prompt: int | None = None  # slots that are candidates (the cache length at the end of prefill); None: prefill
     index: torch.Tensor | None = None  # [k] slots chosen by the latest filter layer
+    bank: Bank | None = None  # --offload: the sparse layers' prompt K/V in host memory (engine/offload.py)
 
 
 def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -72,17 +88,27 @@ def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dr
     and filter layers choose the selection for the layers that follow."""
     sel: Selection | None = getattr(module, _ATTR, None)
     if sel is None or sel.prompt is None or query.shape[2] != 1:  # prefill: full attention
+        if sel is not None and sel.bank is not None:  # copy the next offloaded layer in while this one runs
+            sel.bank.prefetch_after(module.layer_idx, query.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     role = sel.roles[module.layer_idx]
     if role == "sparse" and sel.index is not None:
-        tail = torch.arange(sel.prompt, key.shape[2], device=key.device)
-        idx = torch.cat([sel.index.to(key.device), tail])
-        key, value = key[:, :, idx], value[:, :, idx]
+        if sel.bank is not None and module.layer_idx in sel.bank.layers:  # key, value: the answer's tokens only
+            tail = torch.arange(sel.prompt, sel.prompt + key.shape[2], device=key.device)
+            chosen_k, chosen_v = sel.bank.selected(module.layer_idx)
+            key, value = torch.cat([chosen_k, key], dim=2), torch.cat([chosen_v, value], dim=2)
+            idx = torch.cat([sel.index.to(key.device), tail])
+        else:
+            tail = torch.arange(sel.prompt, key.shape[2], device=key.device)
+            idx = torch.cat([sel.index.to(key.device), tail])
+            key, value = key[:, :, idx], value[:, :, idx]
         attention_mask = attention_mask[..., idx] if attention_mask is not None else None
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if role == "filter":
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         sel.index = select_tokens(query, key, sel.prompt, sel.budget, scale, sel.softmax)
+        if sel.bank is not None:  # one packed copy of the chosen units for the layers this filter serves
+            sel.bank.load(module.layer_idx, sel.index)
     return out
 
 
@@ -103,7 +129,8 @@ class OmniKV(Policy):
     (chunked, nothing dropped); positions stay absolute. In a chat the prompt is everything cached when the
     answer starts. Defaults: budget 1024 (an absolute count, as in the paper's latency runs), filters None =
     `filter_layers(depth)` (the paper's {2, 8, 18} of 32 scaled to the depth), softmax True (the paper;
-    False: the code's logit max). The CPU offload of the sparse layers' KV is not implemented.
+    False: the code's logit max), offload False (True, `--offload` on a GPU: the sparse layers' K/V stays in
+    host memory, the paper's context bank, and each filter layer's choice is copied in; engine/offload.py).
     Paper: OmniKV, ICLR 2025 submission (specs/omnikv.md).
     """
 
@@ -114,6 +141,7 @@ class OmniKV(Policy):
     local: int = 0
     filters: tuple[int, ...] | None = None
     softmax: bool = True
+    offload: bool = False
 
     def schedule(self, depth: int) -> tuple[int, ...]:
         if not self.filters:
@@ -125,14 +153,31 @@ class OmniKV(Policy):
         return filters
 
     def attach(self, model, cache) -> None:
-        super().attach(model, cache)
+        self.model = model  # not Policy.attach: that brings an offloaded cache back to the device
         depth = model.config.num_hidden_layers
-        self.selection = Selection(layer_roles(depth, self.schedule(depth)), self.budget, self.softmax)
+        roles = layer_roles(depth, self.schedule(depth))
+        bank = None
+        if self.offload:
+            groups = bank_groups(roles)
+            banked = [j for members in groups.values() for j in members]
+            bank = bank_cache(cache, banked, groups, next(model.parameters()).device)
+        else:
+            unbank_cache(cache)
+        self.selection = Selection(roles, self.budget, self.softmax, bank=bank)
         self.switch = AttentionSwitch(model, OMNIKV_IMPL, _ATTR, self.selection)
 
     def prefill_done(self, cache) -> None:
         self.selection.prompt = cache.get_seq_length()
         self.selection.index = None
+        if self.selection.bank is not None:
+            self.selection.bank.answer()
+
+    def offloaded_layers(self, depth: int) -> int:
+        if not self.offload:
+            return 0
+        return sum(len(m) for m in bank_groups(layer_roles(depth, self.schedule(depth))).values())
 
     def detach(self) -> None:
         self.switch.close()
+        if self.selection.bank is not None:
+            self.selection.bank.release()

@@ -1,0 +1,301 @@
+"""OmniKV's context bank (specs/omnikv.md §2.3): the "sparse" layers' prompt K/V lives in host memory.
+
+A `BankLayer` holds slots [0, banked) in host memory, token-major `[cap, H_kv, d]` (pinned when the model
+runs on CUDA), and the answer's tokens, slots [banked, n), on the device. Two modes:
+  reading    (prefill) `update` stores the chunk in the bank and returns the whole layer on the device;
+             the bank part was copied in while the layers before it ran (`Bank.prefetch_after`), so at
+             most two banked layers are on the device at once
+  answering  (decode) `update` appends the token to the device tail and returns the tail only; the layer
+             attends to what its filter layer chose, copied in with one packed transfer per filter layer
+             per token (`Bank.load`), plus the tail
+Copies run on a side CUDA stream and the compute stream waits on an event before it reads them. On a CPU
+the host memory is the device's memory: nothing moves (`.to` is a no-op) and the logic is the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from localchat.engine.cache import KVLayer
+from localchat.errors import UserError
+
+HOST = torch.device("cpu")
+
+
+class BankLayer(DynamicLayer):
+    """One offloaded layer: `hk`/`hv` `[cap, H, d]` on the host (slots < banked), `tk`/`tv` `[1, H, cap, d]`
+    on the device (slots banked.. banked + tail)."""
+
+    def __init__(self, bank: "Bank", layer_idx: int, reserve: int = 0):
+        super().__init__()
+        self.bank, self.layer_idx, self.reserve = bank, layer_idx, reserve
+        self.hk = self.hv = self.tk = self.tv = None
+        self.banked = self.tail = 0
+        self.answering = False
+        self.pending_positions = None  # set by the engine for every layer; nothing is evicted, slot = position
+
+    # --- storage -------------------------------------------------------------------------------
+
+    def _host_room(self, need: int, heads: int, dk: int, dv: int, dtype: torch.dtype) -> None:
+        cap = 0 if self.hk is None else self.hk.shape[0]
+        if need <= cap:
+            return
+        if dk != dv:  # one packed copy carries both (every Llama-style model has dk == dv)
+            raise UserError("--offload needs keys and values of the same head size; this model's differ")
+        new_cap = max(need, self.reserve, int(cap * 1.5) + 64)
+        k = torch.empty((new_cap, heads, dk), dtype=dtype, pin_memory=self.bank.pin)
+        v = torch.empty((new_cap, heads, dv), dtype=dtype, pin_memory=self.bank.pin)
+        if self.banked:
+            if self.bank.cuda:  # earlier chunks' copies into the old buffer must have landed
+                torch.cuda.current_stream(self.bank.device).synchronize()
+            k[: self.banked] = self.hk[: self.banked]
+            v[: self.banked] = self.hv[: self.banked]
+        self.hk, self.hv = k, v
+
+    def _tail_room(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        cap = 0 if self.tk is None else self.tk.shape[2]
+        if need <= cap:
+            return
+        new_cap = max(need, int(cap * 1.5) + 64)
+        _, h, _, dk = like_k.shape
+        k = like_k.new_empty((1, h, new_cap, dk))
+        v = like_v.new_empty((1, h, new_cap, like_v.shape[-1]))
+        if self.tail:
+            k[:, :, : self.tail] = self.tk[:, :, : self.tail]
+            v[:, :, : self.tail] = self.tv[:, :, : self.tail]
+        self.tk, self.tv = k, v
+
+    def _to_host(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append `[1, H, t, d]` device K/V to the bank (asynchronous on CUDA: pinned destination)."""
+        t = k.shape[2]
+        self._host_room(self.banked + t, k.shape[1], k.shape[-1], v.shape[-1], k.dtype)
+        end = self.banked + t
+        self.hk[self.banked : end].copy_(k[0].transpose(0, 1), non_blocking=self.bank.cuda)
+        self.hv[self.banked : end].copy_(v[0].transpose(0, 1), non_blocking=self.bank.cuda)
+        self.banked = end
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t = key_states.shape[-2]
+        if self.answering:
+            self._tail_room(self.tail + t, key_states, value_states)
+            self.tk[:, :, self.tail : self.tail + t] = key_states
+            self.tv[:, :, self.tail : self.tail + t] = value_states
+            self.tail += t
+            return self.tk[:, :, : self.tail], self.tv[:, :, : self.tail]
+        if self.banked == 0:
+            whole_k, whole_v = key_states, value_states
+        else:
+            whole_k, whole_v = self.bank.take(self, t)  # [1, H, banked + t, d], the bank part filled
+            whole_k[:, :, self.banked :] = key_states
+            whole_v[:, :, self.banked :] = value_states
+        self._to_host(key_states, value_states)
+        return whole_k, whole_v
+
+    def load_whole(self, extra: int = 0):
+        """Start copying the bank to the device as `[1, H, banked + extra, d]` (the last `extra` slots left for
+        the chunk): returns (k, v, event to wait on). Allocated on the compute stream, copied on the side one."""
+        device = self.bank.device
+        k = torch.empty((1, self.hk.shape[1], self.banked + extra, self.hk.shape[2]), dtype=self.hk.dtype, device=device)
+        v = torch.empty((1, self.hv.shape[1], self.banked + extra, self.hv.shape[2]), dtype=self.hv.dtype, device=device)
+        with self.bank.side():
+            k[0, :, : self.banked] = self.hk[: self.banked].to(device, non_blocking=self.bank.cuda).transpose(0, 1)
+            v[0, :, : self.banked] = self.hv[: self.banked].to(device, non_blocking=self.bank.cuda).transpose(0, 1)
+        return k, v, self.bank.event()
+
+    def fold(self) -> None:
+        """Move the answer's tokens into the bank (before the next turn is read)."""
+        if self.tail:
+            self._to_host(self.tk[:, :, : self.tail], self.tv[:, :, : self.tail])
+            self.tail = 0
+        self.tk = self.tv = None
+        self.answering = False
+
+    def get_seq_length(self) -> int:
+        return self.banked + self.tail
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+        drop = -tokens_to_remove
+        from_tail = min(drop, self.tail)
+        self.tail -= from_tail
+        self.banked = max(0, self.banked - (drop - from_tail))
+
+    def reset(self) -> None:
+        self.hk = self.hv = self.tk = self.tv = None
+        self.banked = self.tail = 0
+        self.answering = False
+        super().reset()
+
+    def keep(self, idx, inv_freq=None) -> None:
+        raise RuntimeError("an offloaded layer keeps every unit; unbank the cache before evicting")
+
+    # --- what the rest of the engine reads (sessions, saving, stats) ------------------------------
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """`[H_kv, n]` original positions: nothing is evicted, so slot i holds token i."""
+        heads = self.hk.shape[1] if self.hk is not None else 0
+        return torch.arange(self.get_seq_length()).expand(heads, -1)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return torch.zeros(self.positions.shape)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every unit on the host, as KVLayer.tensors() gives them: keys, values `[1, H, n, d]`."""
+        if self.hk is None:
+            return {}
+        if self.bank.cuda:
+            torch.cuda.current_stream(self.bank.device).synchronize()
+        k = self.hk[: self.banked].transpose(0, 1).unsqueeze(0).contiguous()
+        v = self.hv[: self.banked].transpose(0, 1).unsqueeze(0).contiguous()
+        if self.tail:
+            k = torch.cat([k, self.tk[:, :, : self.tail].to(HOST)], dim=2)
+            v = torch.cat([v, self.tv[:, :, : self.tail].to(HOST)], dim=2)
+        return {"k": k, "v": v, "s": self.scores, "p": self.positions}
+
+    def nbytes(self) -> int:
+        if self.hk is None:
+            return 0
+        per_unit = self.hk.shape[1] * (self.hk.shape[2] + self.hv.shape[2]) * self.hk.element_size()
+        return self.get_seq_length() * per_unit
+
+
+class Bank:
+    """The banked layers of one cache and the copies in flight. `groups`: filter layer -> the banked layers
+    that attend to its selection."""
+
+    def __init__(self, device: torch.device, groups: dict[int, list[int]]):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pin = self.cuda
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.groups = groups
+        self.layers: dict[int, BankLayer] = {}
+        self.ahead: dict[int, tuple] = {}  # prefill copies in flight: (banked, t, (k, v, event))
+        self.loaded: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}  # this step's selections
+
+    def event(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def side(self):
+        """A context that runs copies on the side stream after what the compute stream queued so far."""
+        if not self.cuda:
+            from contextlib import nullcontext
+
+            return nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def prefetch_after(self, layer_idx: int, t: int) -> None:
+        """Start copying the next banked layer after `layer_idx` to the device (room for a chunk of `t`)."""
+        nxt = next((j for j in sorted(self.layers) if j > layer_idx), None)
+        if nxt is None or nxt in self.ahead or self.layers[nxt].banked == 0 or self.layers[nxt].answering:
+            return
+        self.ahead[nxt] = (self.layers[nxt].banked, t, self.layers[nxt].load_whole(t))
+
+    def take(self, layer: BankLayer, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's bank on the device with room for `t` more (prefetched, or copied now)."""
+        got = self.ahead.pop(layer.layer_idx, None)
+        k, v, event = got[2] if got is not None and got[:2] == (layer.banked, t) else layer.load_whole(t)
+        self.wait(event)
+        return k, v
+
+    def answer(self) -> None:
+        """The prompt is read: later updates go to the device tails."""
+        self.ahead.clear()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        for layer in self.layers.values():
+            layer.answering = True
+
+    # --- answering ---------------------------------------------------------------------------------
+
+    def load(self, filter_idx: int, index: torch.Tensor) -> None:
+        """Gather the chosen prompt slots of every banked layer this filter serves, in one packed copy."""
+        members = [j for j in self.groups.get(filter_idx, []) if j in self.layers]
+        if not members:
+            return
+        idx = index.to(HOST)
+        first = self.layers[members[0]]
+        heads, d = first.hk.shape[1], first.hk.shape[2]
+        packed = torch.empty((len(members), 2, len(idx), heads, d), dtype=first.hk.dtype, pin_memory=self.pin)
+        for g, j in enumerate(members):
+            layer = self.layers[j]
+            torch.index_select(layer.hk[: layer.banked], 0, idx, out=packed[g, 0])
+            torch.index_select(layer.hv[: layer.banked], 0, idx, out=packed[g, 1])
+        on_device = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
+        with self.side():
+            on_device.copy_(packed, non_blocking=self.cuda)
+        event = self.event()
+        for g, j in enumerate(members):
+            self.loaded[j] = (on_device[g, 0], on_device[g, 1], event)
+
+    def selected(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's chosen K/V of a banked layer, `[1, H, k, d]`."""
+        k, v, event = self.loaded[layer_idx]
+        self.wait(event)
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+    def release(self) -> None:
+        self.ahead.clear()
+        self.loaded.clear()
+
+
+def bank_cache(cache, banked: list[int], groups: dict[int, list[int]], device: torch.device) -> Bank:
+    """Make the layers `banked` of `cache` BankLayers (moving what they hold to the host), fold earlier
+    answers into the bank, and bring every other offloaded layer back; returns the cache's Bank."""
+    bank = getattr(cache, "bank", None)
+    if bank is None or bank.device != device:
+        unbank_cache(cache)
+        bank = cache.bank = Bank(device, groups)
+    bank.groups = groups
+    for i, layer in enumerate(cache.layers):
+        if i in banked and not isinstance(layer, BankLayer):
+            if type(layer) is not KVLayer:
+                raise UserError("--offload needs an unquantized KV cache; drop --kv")
+            moved = BankLayer(bank, i, layer.reserve)
+            if layer.get_seq_length():
+                moved.lazy_initialization(layer.keys, layer.values)
+                moved._to_host(layer.keys, layer.values)
+            cache.layers[i] = moved
+            bank.layers[i] = moved
+        elif i not in banked and isinstance(layer, BankLayer):
+            cache.layers[i] = _unbanked(layer)
+            bank.layers.pop(i, None)
+    for layer in bank.layers.values():
+        layer.fold()
+    return bank
+
+
+def unbank_cache(cache) -> None:
+    """Bring every offloaded layer of `cache` back to the device as a plain KVLayer."""
+    if getattr(cache, "bank", None) is None:
+        return
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, BankLayer):
+            cache.layers[i] = _unbanked(layer)
+    cache.bank = None
+
+
+def _unbanked(layer: BankLayer) -> KVLayer:
+    plain = KVLayer(layer.reserve)
+    if layer.get_seq_length():
+        t = layer.tensors()
+        device = layer.bank.device
+        plain.fill(t["k"].to(device), t["v"].to(device), t["s"].to(device), t["p"].to(device))
+    return plain

@@ -1,0 +1,86 @@
+"""OmniKV with and without --offload on the same samples: same answers? what peak GPU memory and speed?
+
+    python scripts/gpu_offload_check.py OUT_DIR [--lengths 7680] [-n 5] [--budget 1024] [--model M]
+
+For each sample (bench tasks passkey and niah_single, seeded as the bench seeds them) it answers with
+`omnikv` in memory and with `omnikv` offloaded (engine/offload.py), and writes one JSON row per answer to
+OUT_DIR/offload.jsonl (output, score, peak memory, prefill and decode speed, the settings) plus
+OUT_DIR/summary.md. Peak memory is torch.cuda.max_memory_allocated on CUDA; on a CPU the offload moves
+nothing (the run only checks that the answers match) and the peak is the process's max RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from localchat.bench import machine
+from localchat.bench.cell import example_seed, run_example
+from localchat.bench.tasks import depth_for, make_sample
+from localchat.engine.engine import Engine
+from localchat.engine.policies import make_policy
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--lengths", default="7680")
+    ap.add_argument("--tasks", default="passkey,niah_single")
+    ap.add_argument("-n", type=int, default=5)
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    engine = Engine.load(args.model, say=lambda line: print(line, file=sys.stderr))
+    cuda = engine.device.type == "cuda"
+    rows = []
+    with (args.out / "offload.jsonl").open("w", encoding="utf-8") as f:
+        for length in map(int, args.lengths.split(",")):
+            for task in args.tasks.split(","):
+                for example in range(args.n):
+                    seed = example_seed(0, task, length, example)
+                    sample = make_sample(task, engine.tokenizer, length, seed, depth_for(example, args.n))
+                    for offload in (False, True):
+                        engine.set_policy(make_policy("omnikv", budget=args.budget, offload=offload))
+                        result = run_example(engine, sample, args.max_new_tokens)
+                        peak = torch.cuda.max_memory_allocated() if cuda else machine.max_rss_bytes()
+                        row = {"task": task, "length": length, "example": example, "offload": offload,
+                               "budget": args.budget, "model": engine.name, "device": engine.device.type,
+                               "hardware": machine.hardware(), "peak_memory_bytes": peak, **result,
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                        rows.append(row)
+                        f.write(json.dumps(row) + "\n")
+                        f.flush()
+                        print(f"{task} {length} #{example} offload={offload}: score {row['score']}, "
+                              f"peak {peak / 2**20:,.1f} MiB, decode {row.get('decode_tps')} tok/s", flush=True)
+    (args.out / "summary.md").write_text(summary(rows, " ".join(sys.argv)), encoding="utf-8")
+    return 0
+
+
+def summary(rows: list[dict], command: str) -> str:
+    pairs = {}
+    for r in rows:
+        pairs.setdefault((r["task"], r["length"], r["example"]), {})[r["offload"]] = r
+    same = sum(p[False]["output"] == p[True]["output"] for p in pairs.values())
+    lines = [f"# OmniKV with and without --offload ({rows[0]['model']}, {rows[0]['device']}, "
+             f"{rows[0]['hardware'].get('gpu') or rows[0]['hardware'].get('cpu')})", "",
+             f"Command: `{command}`", "", f"Same answer text in {same} of {len(pairs)} pairs.", "",
+             "| task | length | offload | score (mean) | peak memory MiB (median) | prefill s (median) | decode tok/s (median) |",
+             "|---|---|---|---|---|---|---|"]
+    for task, length in sorted({(t, n) for t, n, _ in pairs}):
+        for offload in (False, True):
+            cell = [p[offload] for (t, n, _), p in pairs.items() if (t, n) == (task, length)]
+            med = lambda key: sorted(r[key] for r in cell)[len(cell) // 2]  # noqa: E731
+            lines.append(f"| {task} | {length} | {offload} | {sum(r['score'] for r in cell) / len(cell):.2f} | "
+                         f"{med('peak_memory_bytes') / 2**20:,.1f} | {med('prefill_s'):.2f} | {med('decode_tps'):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
