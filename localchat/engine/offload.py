@@ -103,6 +103,7 @@ class BankLayer(DynamicLayer):
         with self.bank.side():
             k[0, :, : self.banked] = self.hk[: self.banked].to(device, non_blocking=self.bank.cuda).transpose(0, 1)
             v[0, :, : self.banked] = self.hv[: self.banked].to(device, non_blocking=self.bank.cuda).transpose(0, 1)
+        self.bank.used_on_side(k, v)
         return k, v, self.bank.event()
 
     def fold(self) -> None:
@@ -190,6 +191,13 @@ class Bank:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    def used_on_side(self, *tensors: torch.Tensor) -> None:
+        """Tensors allocated on the compute stream and written on the side one: their memory is not reused
+        before the side stream's work on them is done (a prefetch dropped unread, for instance)."""
+        if self.cuda:
+            for t in tensors:
+                t.record_stream(self.stream)
+
     def side(self):
         """A context that runs copies on the side stream after what the compute stream queued so far."""
         if not self.cuda:
@@ -241,6 +249,7 @@ class Bank:
         on_device = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
         with self.side():
             on_device.copy_(packed, non_blocking=self.cuda)
+        self.used_on_side(on_device)
         event = self.event()
         for g, j in enumerate(members):
             self.loaded[j] = (on_device[g, 0], on_device[g, 1], event)
