@@ -112,7 +112,7 @@ class Plan:
             out.append(f"documents    any length: the cache stays at {self.budget + self.chunk + r.local + r.max_new:,}"
                        f" units, so a {LONG_DOC // 1024}K-token document fits")
         elif r.holds_prompt and self.offloaded():
-            host = f"{r.host_memory / GIB:.1f} GiB free" if r.host_memory is not None else "its size unknown"
+            host = f"{r.host_memory / GIB:.1f} GiB free on this machine" if r.host_memory is not None else "its size unknown"
             out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt: "
                        f"{self.offloaded()} of {self.shape.layers} layers in host memory ({host}), the rest "
                        f"on the GPU; the window and both memories bound it)")

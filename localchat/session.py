@@ -234,7 +234,8 @@ class Session:
             yield Error("the message is empty: type a question")
             return
         before = self._state.copy()
-        cache_then = _snapshot(before.cache, engine.policy.evicts)
+        # a stale cache is re-read below: nothing to snapshot (and cloning it could copy a whole offloaded cache)
+        cache_then = None if self._stale else _snapshot(before.cache, engine.policy.evicts)
         messages = [*self.messages, {"role": "user", "content": content}]
         try:
             full = engine.render(self._with_system(messages))

@@ -66,6 +66,9 @@ def test_split_bytes_counts_two_streamed_layers_on_both_sides():
 
 
 def test_offloaded_omnikv_gives_the_same_logits_over_two_turns(monkeypatch):
+    from localchat.engine import offload
+
+    monkeypatch.setattr(offload, "PAGE_BYTES", 7 * 2 * 16 * 4)  # 7 tokens per page: chunks straddle pages
     takes = []
     real_take = Bank.take
     monkeypatch.setattr(Bank, "take", lambda self, layer, t: takes.append(
@@ -78,6 +81,7 @@ def test_offloaded_omnikv_gives_the_same_logits_over_two_turns(monkeypatch):
     want = _run(model, a, plain, first, 0, steps=4)
     assert [type(layer) for layer in banked.layers] == [KVLayer] * 3 + [BankLayer] * 3
     assert all(layer.banked == 50 and layer.tail == 4 for layer in banked.layers[3:])  # the answer stays on the device
+    assert all(len(layer.hk.pages) == 8 for layer in banked.layers[3:])
     assert sorted(banked.bank.loaded) == []  # released after the turn
     # the second turn folds the answer into the bank and reads on
     got += _run(model, b, banked, second, 54, steps=3)
@@ -96,18 +100,26 @@ def test_offloaded_omnikv_gives_the_same_logits_over_two_turns(monkeypatch):
         assert torch.equal(banked.layers[i].tensors()["v"], plain.layers[i].tensors()["v"])
 
 
-def test_each_filter_loads_exactly_its_choice_for_its_layers():
+def test_each_filter_choice_is_gathered_across_pages_for_its_layers(monkeypatch):
+    from localchat.engine import offload
+
+    monkeypatch.setattr(offload, "PAGE_BYTES", 3 * 2 * 4 * 4)  # 3 rows of [H=2, d=4] fp32 per page
     bank = Bank(torch.device("cpu"), {0: [1, 2]})
+    full = {}
     for j in (1, 2):
         layer = bank.layers[j] = BankLayer(bank, j)
-        k = torch.arange(2 * 5 * 4, dtype=torch.float32).view(1, 2, 5, 4) + 1000 * j  # [1, H, n, d]
-        layer.update(k, -k)
+        full[j] = torch.arange(2 * 8 * 4, dtype=torch.float32).view(1, 2, 8, 4) + 1000 * j  # [1, H, n, d]
+        layer.update(full[j][:, :, :5], -full[j][:, :, :5])  # two chunks: 5 then 3 slots, over 3 pages
+        layer.update(full[j][:, :, 5:], -full[j][:, :, 5:])
+        assert len(layer.hk.pages) == 3 and layer.banked == 8
     bank.answer()
-    bank.load(0, torch.tensor([1, 3]))
+    bank.choose(0, torch.tensor([1, 2, 3, 7]))
+    assert bank.pending is not None and not bank.loaded  # gathered by the next layer, not the filter
+    bank.fetch()
     for j in (1, 2):
         k, v = bank.selected(j)
-        full = torch.arange(2 * 5 * 4, dtype=torch.float32).view(1, 2, 5, 4) + 1000 * j
-        assert torch.equal(k, full[:, :, [1, 3]]) and torch.equal(v, -full[:, :, [1, 3]])
+        assert torch.equal(k, full[j][:, :, [1, 2, 3, 7]]) and torch.equal(v, -full[j][:, :, [1, 2, 3, 7]])
+        assert torch.equal(bank.layers[j].tensors()["k"], full[j])  # the pages read back whole
 
 
 def test_reading_prefetches_the_next_banked_layer_with_room_for_the_chunk():
@@ -149,7 +161,7 @@ def _answers(session, questions, settings):
     return out
 
 
-def test_a_session_with_offload_answers_retries_and_switches_policy_like_one_without(tiny_tok):
+def test_a_session_with_offload_answers_retries_and_switches_policy_like_one_without(tiny_tok, monkeypatch):
     settings = GenerationSettings(max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=3)
     questions = ("alpha beta gamma delta " * 30 + "What comes after beta?", "And before it?")
     plain = _answers(Session(_engine(tiny_tok)), questions, settings)
@@ -160,11 +172,38 @@ def test_a_session_with_offload_answers_retries_and_switches_policy_like_one_wit
     # retry restores the cache as it was before the last turn (an append-only cache: cropped)
     again = list(s.retry(settings))[-1]
     assert isinstance(again, Done) and again.text == banked[-1].text
-    # another policy brings every layer back to the device first
-    s.engine.set_policy(make_policy("full"))
+    # another policy re-reads the chat once, without copying the offloaded cache back first
+    clones = []
+    real_clone = KVCache.clone
+    monkeypatch.setattr(KVCache, "clone", lambda self: clones.append(getattr(self, "bank", None)) or real_clone(self))
+    s.set_policy(make_policy("streaming", budget=32, local=8))
     out = _answers(s, ("Once more?",), settings)
-    assert isinstance(out[-1], Done)
+    assert isinstance(out[-1], Done) and clones == []
     assert not any(isinstance(layer, BankLayer) for layer in s.cache.layers)
+    # and an engine switched under a live cache brings every layer back to the device
+    e = _engine(tiny_tok, offload=True)
+    cache = e.new_cache()
+    list(e.continue_on(cache, list(range(60, 120)), 0, settings))
+    e.set_policy(make_policy("full"))
+    list(e.continue_on(cache, list(range(70, 80)), 67, settings))  # 60 + 8 answered, the last one not fed
+    assert not any(isinstance(layer, BankLayer) for layer in cache.layers) and cache.get_seq_length() == 84
+
+
+def test_offload_refuses_an_evicted_cache_and_drops_copies_of_a_failed_chunk(tiny_tok):
+    from localchat.engine.prefill import _rollback
+
+    e = _engine(tiny_tok)
+    e.set_policy(make_policy("streaming", budget=16, local=4))
+    cache = e.new_cache()
+    list(e.continue_on(cache, list(range(60, 120)), 0, GenerationSettings(max_new_tokens=2)))
+    policy = make_policy("omnikv", budget=8, filters=FILTERS, offload=True)
+    with pytest.raises(UserError, match="kept every token"):
+        policy.attach(e.model, cache)
+    cache = KVCache(6)
+    bank = bank_cache(cache, [3], {1: [3]}, torch.device("cpu"))
+    bank.ahead[3] = (0, 4, None)
+    _rollback(cache, [0] * 6)
+    assert bank.ahead == {}
 
 
 def test_offload_refuses_a_quantized_cache(tiny_tok):
@@ -211,14 +250,16 @@ def test_the_engine_checks_both_memories_before_reading_with_offload(tiny_tok, m
 
     engine = _engine(tiny_tok, offload=True)
     engine.device = torch.device("cuda")  # only the arithmetic runs: nothing is read
-    unit = memory.kv_unit_bytes(memory.Shape.from_config(engine.model.config), "fp32")
-    on_gpu, in_host = memory.split_bytes(100 * unit, 6, 3)  # 3 dense + 2 streamed of 6 on the GPU, 3 in host memory
+    unit = memory.kv_unit_bytes(memory.Shape.from_config(engine.model.config), "fp32") // 6  # one layer
+    # 6 layers, 3 offloaded: the GPU holds 3 layers' new units, 2 streamed layers whole (40 held + new) and
+    # the offloaded layers' answer (12); host memory the offloaded layers' prompt (88)
+    on_gpu, in_host = unit * (3 * 100 + 2 * (40 + 100) + 3 * 12), unit * 3 * 88
     free = {"cuda": 1024 * memory.MIB + on_gpu, "cpu": 512 * memory.MIB + in_host - 1}
     monkeypatch.setattr(memory, "detect", lambda kind=None: memory.Device(kind or "cuda", "test", 2**40, free[kind or "cuda"]))
-    with pytest.raises(UserError, match="omnikv --offload keeps 3 layers in host memory: 100 more tokens"):
-        engine._check_memory(100)
+    with pytest.raises(UserError, match="omnikv --offload keeps 3 layers in host memory: 88 more tokens"):
+        engine._check_memory(88, 12, held=40)
     free["cpu"] += 1
-    engine._check_memory(100)  # both fit exactly
+    engine._check_memory(88, 12, held=40)  # both fit exactly
     free["cuda"] -= 1
     with pytest.raises(UserError, match=r"100 more need .* GiB on the GPU \(3 offloaded layers' share"):
-        engine._check_memory(100)
+        engine._check_memory(88, 12, held=40)

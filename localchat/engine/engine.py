@@ -125,7 +125,7 @@ class Engine:
             if not prompt_ids:
                 raise UserError("nothing to read: the prompt is empty")
             self._check_window(first_pos + len(prompt_ids))
-            self._check_memory(len(prompt_ids) + settings.max_new_tokens)
+            self._check_memory(len(prompt_ids), settings.max_new_tokens, cache.get_seq_length() if cache else 0)
             if cache is None:
                 cache = self.new_cache(len(prompt_ids), settings.max_new_tokens)
             yield from self._generate(cache, prompt_ids, first_pos, settings, cancel, keep_last)
@@ -171,12 +171,12 @@ class Engine:
                 f"--positions compact, or shorten the document"
             )
 
-    def _check_memory(self, new_units: int) -> None:
+    def _check_memory(self, prompt_units: int, max_new: int, held: int = 0) -> None:
         """A policy that keeps every token (full, SAGE-KV, OmniKV) needs the new tokens' K and V in memory:
         refuse, before reading, what the free memory cannot hold (instead of running out mid-way). With
-        OmniKV --offload on a GPU the offloaded layers' share goes to host memory; reading streams up to two
-        of them through the GPU."""
-        from localchat.engine.memory import GIB, Shape, detect, dtype_name, kv_unit_bytes, split_bytes
+        OmniKV --offload on a GPU the offloaded layers' share of the prompt goes to host memory; reading
+        streams two of them, whole (the `held` units too), through the GPU, and the answer stays there."""
+        from localchat.engine.memory import GIB, Shape, detect, dtype_name, kv_unit_bytes
         from localchat.planner import DEFAULT_MARGIN
 
         p = self.policy
@@ -184,10 +184,13 @@ class Engine:
             return
         kind = "cuda" if self.device.type == "cuda" else "cpu"
         act = dtype_name(self.model.get_input_embeddings().weight.dtype)  # embeddings keep the activation dtype
-        need = new_units * kv_unit_bytes(Shape.from_config(self.model.config), act)
+        unit = kv_unit_bytes(Shape.from_config(self.model.config), act)  # one token, every layer
+        new_units = prompt_units + max_new
         depth = self.model.config.num_hidden_layers
         off = p.offloaded_layers(depth) if kind == "cuda" else 0
-        on_device, in_host = split_bytes(need, depth, off)
+        streamed = min(2, off)
+        on_device = unit * ((depth - off) * new_units + streamed * (held + new_units) + off * max_new) // depth
+        in_host = unit * off * prompt_units // depth
         free = detect(kind).free - DEFAULT_MARGIN[kind]
         if on_device > free:
             where = f" on the GPU ({off} offloaded layers' share goes to host memory)" if off else ""
@@ -196,7 +199,7 @@ class Engine:
                             f"(a bounded cache) or a shorter document")
         host_free = detect("cpu").free - DEFAULT_MARGIN["cpu"] if off else 0
         if off and in_host > host_free:
-            raise UserError(f"{p.name} --offload keeps {off} layers in host memory: {new_units:,} more tokens need "
+            raise UserError(f"{p.name} --offload keeps {off} layers in host memory: {prompt_units:,} more tokens need "
                             f"{in_host / GIB:.1f} GiB there but {max(host_free, 0) / GIB:.1f} GiB is free; "
                             f"use --policy locret (a bounded cache) or a shorter document")
 

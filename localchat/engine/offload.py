@@ -1,18 +1,21 @@
 """OmniKV's context bank (specs/omnikv.md §2.3): the "sparse" layers' prompt K/V lives in host memory.
 
-A `BankLayer` holds slots [0, banked) in host memory, token-major `[cap, H_kv, d]` (pinned when the model
-runs on CUDA), and the answer's tokens, slots [banked, n), on the device. Two modes:
+A `BankLayer` holds slots [0, banked) in host memory, token-major `[n, H_kv, d]` in fixed-size pages
+(pinned when the model runs on CUDA), and the answer's tokens, slots [banked, n), on the device. Two modes:
   reading    (prefill) `update` stores the chunk in the bank and returns the whole layer on the device;
              the bank part was copied in while the layers before it ran (`Bank.prefetch_after`), so at
              most two banked layers are on the device at once
   answering  (decode) `update` appends the token to the device tail and returns the tail only; the layer
-             attends to what its filter layer chose, copied in with one packed transfer per filter layer
-             per token (`Bank.load`), plus the tail
+             attends to what its filter layer chose plus the tail. The filter layer hands over its choice
+             (`Bank.choose`); the next layer, once its own attention is queued, gathers the chosen rows on
+             the CPU and sends them in one packed copy (`Bank.fetch`), so the GPU keeps working meanwhile
 Copies run on a side CUDA stream and the compute stream waits on an event before it reads them. On a CPU
 the host memory is the device's memory: nothing moves (`.to` is a no-op) and the logic is the same.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -21,37 +24,88 @@ from localchat.engine.cache import KVLayer
 from localchat.errors import UserError
 
 HOST = torch.device("cpu")
+PAGE_BYTES = 8 << 20  # a power of two: the pinned allocator rounds each allocation up to one
+
+
+def _host_empty(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    except RuntimeError as exc:  # cudaHostAlloc failing is not an OutOfMemoryError
+        raise UserError(f"host memory ran out for --offload's context bank ({exc.__class__.__name__}); use a "
+                        f"shorter document or drop --offload") from exc
+
+
+class Pages:
+    """Token-major rows `[n, H, d]` in host pages of `rows` tokens each (no regrowth copies)."""
+
+    def __init__(self, heads: int, d: int, dtype: torch.dtype, pin: bool):
+        self.heads, self.d, self.dtype, self.pin = heads, d, dtype, pin
+        row = heads * d * torch.empty((), dtype=dtype).element_size()
+        self.rows = max(1, PAGE_BYTES // row)
+        self.pages: list[torch.Tensor] = []
+
+    def spans(self, start: int, end: int):
+        """(page, first row in it, slot range start, slot range end) covering slots [start, end)."""
+        at = start
+        while at < end:
+            p, lo = divmod(at, self.rows)
+            stop = min(end, (p + 1) * self.rows)
+            yield self.pages[p], lo, at, stop
+            at = stop
+
+    def write(self, start: int, rows: torch.Tensor, non_blocking: bool) -> None:
+        """Rows `[t, H, d]` (contiguous, any device) into slots [start, start + t)."""
+        end = start + rows.shape[0]
+        while len(self.pages) * self.rows < end:
+            self.pages.append(_host_empty((self.rows, self.heads, self.d), self.dtype, self.pin))
+        for page, lo, a, b in self.spans(start, end):
+            page[lo : lo + b - a].copy_(rows[a - start : b - start], non_blocking=non_blocking)
+
+    def read_into(self, out: torch.Tensor, end: int, non_blocking: bool) -> None:
+        """Slots [0, end) into `out[:end]` (`[>= end, H, d]`, any device)."""
+        for page, lo, a, b in self.spans(0, end):
+            out[a:b].copy_(page[lo : lo + b - a], non_blocking=non_blocking)
+
+    def gather(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows at the ascending slots `idx` (host) into `out` `[len(idx), H, d]` (host)."""
+        bounds = torch.searchsorted(idx, torch.arange(1, len(self.pages) + 1) * self.rows).tolist()
+        first = 0
+        for p, last in enumerate(bounds):
+            if last > first:
+                torch.index_select(self.pages[p], 0, idx[first:last] - p * self.rows, out=out[first:last])
+            first = last
+
+    def whole(self, end: int) -> torch.Tensor:
+        out = torch.empty((end, self.heads, self.d), dtype=self.dtype)
+        self.read_into(out, end, non_blocking=False)
+        return out
 
 
 class BankLayer(DynamicLayer):
-    """One offloaded layer: `hk`/`hv` `[cap, H, d]` on the host (slots < banked), `tk`/`tv` `[1, H, cap, d]`
-    on the device (slots banked.. banked + tail)."""
+    """One offloaded layer: K and V `Pages` on the host (slots < banked), `tk`/`tv` `[1, H, cap, d]` on the
+    device (slots banked .. banked + tail)."""
 
     def __init__(self, bank: "Bank", layer_idx: int, reserve: int = 0):
         super().__init__()
         self.bank, self.layer_idx, self.reserve = bank, layer_idx, reserve
-        self.hk = self.hv = self.tk = self.tv = None
+        self.hk: Pages | None = None
+        self.hv: Pages | None = None
+        self.tk = self.tv = None
         self.banked = self.tail = 0
         self.answering = False
         self.pending_positions = None  # set by the engine for every layer; nothing is evicted, slot = position
 
-    # --- storage -------------------------------------------------------------------------------
-
-    def _host_room(self, need: int, heads: int, dk: int, dv: int, dtype: torch.dtype) -> None:
-        cap = 0 if self.hk is None else self.hk.shape[0]
-        if need <= cap:
-            return
-        if dk != dv:  # one packed copy carries both (every Llama-style model has dk == dv)
-            raise UserError("--offload needs keys and values of the same head size; this model's differ")
-        new_cap = max(need, self.reserve, int(cap * 1.5) + 64)
-        k = torch.empty((new_cap, heads, dk), dtype=dtype, pin_memory=self.bank.pin)
-        v = torch.empty((new_cap, heads, dv), dtype=dtype, pin_memory=self.bank.pin)
-        if self.banked:
-            if self.bank.cuda:  # earlier chunks' copies into the old buffer must have landed
-                torch.cuda.current_stream(self.bank.device).synchronize()
-            k[: self.banked] = self.hk[: self.banked]
-            v[: self.banked] = self.hv[: self.banked]
-        self.hk, self.hv = k, v
+    def _to_host(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append `[1, H, t, d]` K/V to the bank (asynchronous on CUDA: pinned pages)."""
+        if self.hk is None:
+            if k.shape[-1] != v.shape[-1]:  # one packed copy carries both (every Llama-style model has dk == dv)
+                raise UserError("--offload needs keys and values of the same head size; this model's differ")
+            self.hk = Pages(k.shape[1], k.shape[-1], k.dtype, self.bank.pin)
+            self.hv = Pages(v.shape[1], v.shape[-1], v.dtype, self.bank.pin)
+        cuda = self.bank.cuda
+        self.hk.write(self.banked, k[0].transpose(0, 1).contiguous(), non_blocking=cuda)
+        self.hv.write(self.banked, v[0].transpose(0, 1).contiguous(), non_blocking=cuda)
+        self.banked += k.shape[2]
 
     def _tail_room(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         cap = 0 if self.tk is None else self.tk.shape[2]
@@ -66,20 +120,13 @@ class BankLayer(DynamicLayer):
             v[:, :, : self.tail] = self.tv[:, :, : self.tail]
         self.tk, self.tv = k, v
 
-    def _to_host(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append `[1, H, t, d]` device K/V to the bank (asynchronous on CUDA: pinned destination)."""
-        t = k.shape[2]
-        self._host_room(self.banked + t, k.shape[1], k.shape[-1], v.shape[-1], k.dtype)
-        end = self.banked + t
-        self.hk[self.banked : end].copy_(k[0].transpose(0, 1), non_blocking=self.bank.cuda)
-        self.hv[self.banked : end].copy_(v[0].transpose(0, 1), non_blocking=self.bank.cuda)
-        self.banked = end
-
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[-2]
         if self.answering:
+            if t != 1:
+                raise RuntimeError("an offloaded layer reads one token at a time while answering")
             self._tail_room(self.tail + t, key_states, value_states)
             self.tk[:, :, self.tail : self.tail + t] = key_states
             self.tv[:, :, self.tail : self.tail + t] = value_states
@@ -95,16 +142,17 @@ class BankLayer(DynamicLayer):
         return whole_k, whole_v
 
     def load_whole(self, extra: int = 0):
-        """Start copying the bank to the device as `[1, H, banked + extra, d]` (the last `extra` slots left for
-        the chunk): returns (k, v, event to wait on). Allocated on the compute stream, copied on the side one."""
-        device = self.bank.device
-        k = torch.empty((1, self.hk.shape[1], self.banked + extra, self.hk.shape[2]), dtype=self.hk.dtype, device=device)
-        v = torch.empty((1, self.hv.shape[1], self.banked + extra, self.hv.shape[2]), dtype=self.hv.dtype, device=device)
-        with self.bank.side():
-            k[0, :, : self.banked] = self.hk[: self.banked].to(device, non_blocking=self.bank.cuda).transpose(0, 1)
-            v[0, :, : self.banked] = self.hv[: self.banked].to(device, non_blocking=self.bank.cuda).transpose(0, 1)
-        self.bank.used_on_side(k, v)
-        return k, v, self.bank.event()
+        """Start copying the bank to the device, with `extra` slots left for the chunk: returns (k, v, event to
+        wait on), `[1, H, banked + extra, d]` views of token-major buffers allocated on the compute stream
+        and filled on the side one."""
+        bank, n = self.bank, self.banked + extra
+        k = torch.empty((n, self.hk.heads, self.hk.d), dtype=self.hk.dtype, device=bank.device)
+        v = torch.empty((n, self.hv.heads, self.hv.d), dtype=self.hv.dtype, device=bank.device)
+        with bank.side():
+            self.hk.read_into(k, self.banked, non_blocking=bank.cuda)
+            self.hv.read_into(v, self.banked, non_blocking=bank.cuda)
+        bank.used_on_side(k, v)
+        return k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0), bank.event()
 
     def fold(self) -> None:
         """Move the answer's tokens into the bank (before the next turn is read)."""
@@ -138,8 +186,8 @@ class BankLayer(DynamicLayer):
 
     @property
     def positions(self) -> torch.Tensor:
-        """`[H_kv, n]` original positions: nothing is evicted, so slot i holds token i."""
-        heads = self.hk.shape[1] if self.hk is not None else 0
+        """`[H_kv, n]` original positions: nothing is evicted (bank_cache checks), so slot i holds token i."""
+        heads = self.hk.heads if self.hk is not None else 0
         return torch.arange(self.get_seq_length()).expand(heads, -1)
 
     @property
@@ -152,17 +200,17 @@ class BankLayer(DynamicLayer):
             return {}
         if self.bank.cuda:
             torch.cuda.current_stream(self.bank.device).synchronize()
-        k = self.hk[: self.banked].transpose(0, 1).unsqueeze(0).contiguous()
-        v = self.hv[: self.banked].transpose(0, 1).unsqueeze(0).contiguous()
+        k = self.hk.whole(self.banked).transpose(0, 1).unsqueeze(0)
+        v = self.hv.whole(self.banked).transpose(0, 1).unsqueeze(0)
         if self.tail:
             k = torch.cat([k, self.tk[:, :, : self.tail].to(HOST)], dim=2)
             v = torch.cat([v, self.tv[:, :, : self.tail].to(HOST)], dim=2)
-        return {"k": k, "v": v, "s": self.scores, "p": self.positions}
+        return {"k": k.contiguous(), "v": v.contiguous(), "s": self.scores, "p": self.positions}
 
     def nbytes(self) -> int:
         if self.hk is None:
             return 0
-        per_unit = self.hk.shape[1] * (self.hk.shape[2] + self.hv.shape[2]) * self.hk.element_size()
+        per_unit = self.hk.heads * (self.hk.d + self.hv.d) * torch.empty((), dtype=self.hk.dtype).element_size()
         return self.get_seq_length() * per_unit
 
 
@@ -178,13 +226,14 @@ class Bank:
         self.groups = groups
         self.layers: dict[int, BankLayer] = {}
         self.ahead: dict[int, tuple] = {}  # prefill copies in flight: (banked, t, (k, v, event))
+        self.pending: tuple | None = None  # a filter's choice not gathered yet: (members, host index, event)
         self.loaded: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}  # this step's selections
 
-    def event(self):
+    def event(self, stream=None):
         if not self.cuda:
             return None
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(stream or self.stream)
         return event
 
     def wait(self, event) -> None:
@@ -201,8 +250,6 @@ class Bank:
     def side(self):
         """A context that runs copies on the side stream after what the compute stream queued so far."""
         if not self.cuda:
-            from contextlib import nullcontext
-
             return nullcontext()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self.stream)
@@ -226,26 +273,37 @@ class Bank:
     def answer(self) -> None:
         """The prompt is read: later updates go to the device tails."""
         self.ahead.clear()
-        if self.cuda:
+        if self.cuda:  # the CPU gathers from the pages while answering: the chunks' copies must have landed
             torch.cuda.current_stream(self.device).synchronize()
         for layer in self.layers.values():
             layer.answering = True
 
     # --- answering ---------------------------------------------------------------------------------
 
-    def load(self, filter_idx: int, index: torch.Tensor) -> None:
-        """Gather the chosen prompt slots of every banked layer this filter serves, in one packed copy."""
+    def choose(self, filter_idx: int, index: torch.Tensor) -> None:
+        """A filter layer's choice (ascending slots on the device): start copying it to the host."""
         members = [j for j in self.groups.get(filter_idx, []) if j in self.layers]
         if not members:
             return
-        idx = index.to(HOST)
-        first = self.layers[members[0]]
-        heads, d = first.hk.shape[1], first.hk.shape[2]
-        packed = torch.empty((len(members), 2, len(idx), heads, d), dtype=first.hk.dtype, pin_memory=self.pin)
+        self.fetch()  # an earlier filter's choice not gathered yet
+        idx = _host_empty(tuple(index.shape), index.dtype, self.pin)
+        idx.copy_(index, non_blocking=self.cuda)
+        self.pending = (members, idx, self.event(torch.cuda.current_stream(self.device) if self.cuda else None))
+
+    def fetch(self) -> None:
+        """Gather the pending choice's rows of every banked layer it serves, then one packed copy to the device."""
+        if self.pending is None:
+            return
+        members, idx, ready = self.pending
+        self.pending = None
+        if ready is not None:
+            ready.synchronize()  # the index has reached the host
+        first = self.layers[members[0]].hk
+        packed = _host_empty((len(members), 2, len(idx), first.heads, first.d), first.dtype, self.pin)
         for g, j in enumerate(members):
             layer = self.layers[j]
-            torch.index_select(layer.hk[: layer.banked], 0, idx, out=packed[g, 0])
-            torch.index_select(layer.hv[: layer.banked], 0, idx, out=packed[g, 1])
+            layer.hk.gather(idx, packed[g, 0])
+            layer.hv.gather(idx, packed[g, 1])
         on_device = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
         with self.side():
             on_device.copy_(packed, non_blocking=self.cuda)
@@ -256,6 +314,7 @@ class Bank:
 
     def selected(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's chosen K/V of a banked layer, `[1, H, k, d]`."""
+        self.fetch()
         k, v, event = self.loaded[layer_idx]
         self.wait(event)
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -263,6 +322,7 @@ class Bank:
     def release(self) -> None:
         self.ahead.clear()
         self.loaded.clear()
+        self.pending = None
 
 
 def bank_cache(cache, banked: list[int], groups: dict[int, list[int]], device: torch.device) -> Bank:
@@ -277,8 +337,12 @@ def bank_cache(cache, banked: list[int], groups: dict[int, list[int]], device: t
         if i in banked and not isinstance(layer, BankLayer):
             if type(layer) is not KVLayer:
                 raise UserError("--offload needs an unquantized KV cache; drop --kv")
+            n = layer.get_seq_length()
+            if n and not torch.equal(layer.positions, torch.arange(n, device=layer.positions.device).expand_as(layer.positions)):
+                raise UserError("--offload needs a cache that kept every token, and this one was evicted by "
+                                "another policy; start a new chat")
             moved = BankLayer(bank, i, layer.reserve)
-            if layer.get_seq_length():
+            if n:
                 moved.lazy_initialization(layer.keys, layer.values)
                 moved._to_host(layer.keys, layer.values)
             cache.layers[i] = moved

@@ -107,8 +107,10 @@ def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if role == "filter":
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         sel.index = select_tokens(query, key, sel.prompt, sel.budget, scale, sel.softmax)
-        if sel.bank is not None:  # one packed copy of the chosen units for the layers this filter serves
-            sel.bank.load(module.layer_idx, sel.index)
+        if sel.bank is not None:  # the chosen units of the layers this filter serves: gathered by the next layer
+            sel.bank.choose(module.layer_idx, sel.index)
+    elif sel.bank is not None:  # this layer's attention is queued: gather and send a filter's choice meanwhile
+        sel.bank.fetch()
     return out
 
 
