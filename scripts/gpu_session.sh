@@ -12,7 +12,7 @@
 #   $LOCALCHAT_CACHE_DIR/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf (default ~/.cache/localchat):
 # step 0 converts it to safetensors once (no network is needed or tried).
 #
-# Knobs (environment): DRY=1 prints the commands instead of running them; STEPS="0 1 2 3 4 5 6" picks steps;
+# Knobs (environment): DRY=1 prints the commands instead of running them; STEPS="0 1 2 3 4 5 6 7" picks steps;
 # PY (default python3); N (default 6) / N32 (default 2): examples per bench cell at 4K+8K / at 32K;
 # ASK_WEIGHTS (default "default nf4 int8"); CLEAN_LINKS=1; LATE32 (default 330) / LATE_EXTRA (default 420):
 # the 32K rows / the extras of step 6 start only before that many seconds since the start.
@@ -32,6 +32,8 @@
 #   step 6  extras, each only if started before LATE_EXTRA: plan --verify at budget/chunk 512/256, 2048/1024,
 #           4096/2048 (~15 s each), tests/test_kernels.py on CUDA (~30 s), `bench kernels` if it exists,
 #           the int4-weights model test on the CPU (~45 s).
+#   step 7  OmniKV --offload vs in memory: two-turn chats at 7,680 tokens, N=5 x 2 tasks, same answers?
+#           peak GPU memory, speed (scripts/gpu_offload_check.py; ~60-90 s)
 #
 # Every step's output goes to its own log in OUT; summary.txt has each command's exit code and seconds.
 # A failing command never stops the script.
@@ -47,7 +49,7 @@ exec > >(tee -a "$OUT/script.log") 2>&1
 
 PY=${PY:-python3}
 DRY=${DRY:-0}
-STEPS=${STEPS:-"0 1 2 3 4 5 6"}
+STEPS=${STEPS:-"0 1 2 3 4 5 6 7"}
 N=${N:-6}
 N32=${N32:-2}
 ASK_WEIGHTS=${ASK_WEIGHTS:-"default nf4 int8"}
@@ -219,6 +221,11 @@ if want 6; then
     # the int4-weights test on the CPU, as its name says (quanto builds its small C++ unpack extension once, ~30 s)
     on_time "$LATE_EXTRA" "$INT4_TEST on the CPU" &&
         run "$OUT/pytest-model.txt" 240 env CUDA_VISIBLE_DEVICES= "$PY" -m pytest -m model -x -q -p no:cacheprovider "$INT4_TEST"
+fi
+
+# --- step 7: OmniKV --offload on CUDA (pinned host pages, side-stream copies): answers, memory, speed --------
+if want 7; then
+    run "$OUT/offload-gpu.log" 300 "$PY" scripts/gpu_offload_check.py "$OUT/offload-gpu" --lengths 7680 -n 5
 fi
 
 echo "# done in $(elapsed) s" >>"$SUMMARY"
