@@ -11,6 +11,9 @@ A `BankLayer` holds slots [0, banked) in host memory, token-major `[n, H_kv, d]`
              the CPU and sends them in one packed copy (`Bank.fetch`), so the GPU keeps working meanwhile
 Copies run on a side CUDA stream and the compute stream waits on an event before it reads them. On a CPU
 the host memory is the device's memory: nothing moves (`.to` is a no-op) and the logic is the same.
+Cost of reading (arithmetic, not measured): every chunk copies each offloaded layer's prefix in again, about
+n²/(2·chunk) rows per layer; for 128K tokens at chunk 4096 on Llama-3.1-8B (24 offloaded layers, 4 KiB a
+row) about 200 GB, some 8 s at 25 GB/s, which the prefetch overlaps with the layers' compute.
 """
 
 from __future__ import annotations
