@@ -107,6 +107,9 @@ def summary(rows: list[dict], command: str) -> str:
             lines.append(f"| {task} | {length} | {offload} | {sum(r['score'] for r in cell) / len(cell):.2f} | "
                          f"{med('peak_memory_bytes') / 2**20:,.1f} | {med('prefill_s'):.2f} | {med('decode_tps'):.1f} "
                          f"| {med('followup_prefill_s'):.2f} |")
+    if rows[0]["device"] == "cpu":
+        lines += ["", "On a CPU the offload moves nothing (host memory is the device's), so only the answers compare; "
+                  "the peak column is the process's max RSS since it started, which grows over the run."]
     return "\n".join(lines) + "\n"
 
 
