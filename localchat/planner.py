@@ -74,7 +74,7 @@ class Plan:
                              weights_exact=r.weights_exact).total - fixed.total
         off, depth = (self.offloaded() if offload else 0), self.shape.layers
         unit = kv_unit_bytes(self.shape, r.kv)
-        on_device, in_host = split_bytes(unit, depth, off)
+        on_device, in_host = split_bytes(unit, depth, off, prompt=1)
         per_token -= unit - on_device
         n = max(0, (self.memory - fixed.total) // max(per_token, 1))
         if off and r.host_memory is not None:

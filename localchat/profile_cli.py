@@ -174,7 +174,6 @@ def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measure
     )
 
 
-
 def _plan(args, quiet: bool = False) -> tuple[Plan, profiles.Resolved, Device]:
     device = detect()
     r = apply_profile(args, device, quiet=quiet)

@@ -60,9 +60,9 @@ def test_groups_bank_the_sparse_layers_after_each_filter():
 def test_split_bytes_counts_two_streamed_layers_on_both_sides():
     from localchat.engine.memory import split_bytes
 
-    assert split_bytes(3200, 32, 24) == (1000, 2400)  # 8 resident + 2 streamed of 32 on the GPU
-    assert split_bytes(3200, 32, 0) == (3200, 0)
-    assert split_bytes(300, 3, 1) == (300, 100)  # one offloaded layer: it is streamed through whole
+    assert split_bytes(3200, 32, 24, prompt=1) == (1000, 2400)  # 8 resident + 2 streamed of 32 on the GPU
+    assert split_bytes(3200, 32, 0, prompt=1) == (3200, 0)
+    assert split_bytes(300, 3, 1, prompt=1) == (300, 100)  # one offloaded layer: it is streamed through whole
 
 
 def test_offloaded_omnikv_gives_the_same_logits_over_two_turns(monkeypatch):
@@ -200,7 +200,7 @@ def test_offload_refuses_an_evicted_cache_and_drops_copies_of_a_failed_chunk(tin
     with pytest.raises(UserError, match="kept every token"):
         policy.attach(e.model, cache)
     cache = KVCache(6)
-    bank = bank_cache(cache, [3], {1: [3]}, torch.device("cpu"))
+    bank = bank_cache(cache, {1: [3]}, torch.device("cpu"))
     bank.ahead[3] = (0, 4, None)
     _rollback(cache, [0] * 6)
     assert bank.ahead == {}

@@ -125,7 +125,7 @@ class Engine:
             if not prompt_ids:
                 raise UserError("nothing to read: the prompt is empty")
             self._check_window(first_pos + len(prompt_ids))
-            self._check_memory(len(prompt_ids), settings.max_new_tokens, cache.get_seq_length() if cache else 0)
+            self._check_memory(len(prompt_ids), settings.max_new_tokens, cache.get_seq_length() if cache is not None else 0)
             if cache is None:
                 cache = self.new_cache(len(prompt_ids), settings.max_new_tokens)
             yield from self._generate(cache, prompt_ids, first_pos, settings, cancel, keep_last)
@@ -176,7 +176,7 @@ class Engine:
         refuse, before reading, what the free memory cannot hold (instead of running out mid-way). With
         OmniKV --offload on a GPU the offloaded layers' share of the prompt goes to host memory; reading
         streams two of them, whole (the `held` units too), through the GPU, and the answer stays there."""
-        from localchat.engine.memory import GIB, Shape, detect, dtype_name, kv_unit_bytes
+        from localchat.engine.memory import GIB, Shape, detect, dtype_name, kv_unit_bytes, split_bytes
         from localchat.planner import DEFAULT_MARGIN
 
         p = self.policy
@@ -188,9 +188,7 @@ class Engine:
         new_units = prompt_units + max_new
         depth = self.model.config.num_hidden_layers
         off = p.offloaded_layers(depth) if kind == "cuda" else 0
-        streamed = min(2, off)
-        on_device = unit * ((depth - off) * new_units + streamed * (held + new_units) + off * max_new) // depth
-        in_host = unit * off * prompt_units // depth
+        on_device, in_host = split_bytes(unit, depth, off, prompt_units, max_new, held)
         free = detect(kind).free - DEFAULT_MARGIN[kind]
         if on_device > free:
             where = f" on the GPU ({off} offloaded layers' share goes to host memory)" if off else ""

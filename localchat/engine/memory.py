@@ -194,10 +194,14 @@ def kv_unit_bytes(shape: Shape, kv: str = "bf16") -> int:
     return int(round(shape.layers * shape.kv_heads * per_head))
 
 
-def split_bytes(kv_bytes: int, depth: int, offloaded: int) -> tuple[int, int]:
-    """K/V bytes over all `depth` layers split into (device, host) when `offloaded` layers live in host
-    memory; reading streams up to two of them through the device, so those count on both sides."""
-    return kv_bytes * (depth - offloaded + min(2, offloaded)) // depth, kv_bytes * offloaded // depth
+def split_bytes(unit: int, depth: int, offloaded: int, prompt: int, answer: int = 0, held: int = 0) -> tuple[int, int]:
+    """(device, host) bytes of the K/V of `prompt` new prompt tokens and `answer` answer tokens (`unit` bytes a
+    token over all `depth` layers) when `offloaded` layers keep the prompt in host memory. Reading streams up
+    to two of those through the device whole (the `held` tokens too); the answer stays on the device."""
+    streamed = min(2, offloaded)
+    new = prompt + answer
+    device = unit * ((depth - offloaded) * new + streamed * (held + new) + offloaded * answer) // depth
+    return device, unit * offloaded * prompt // depth
 
 
 def kv_units(budget: int, chunk: int, local: int, max_new: int) -> int:

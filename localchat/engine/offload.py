@@ -103,8 +103,8 @@ class BankLayer(DynamicLayer):
         if self.hk is None:
             if k.shape[-1] != v.shape[-1]:  # one packed copy carries both (every Llama-style model has dk == dv)
                 raise UserError("--offload needs keys and values of the same head size; this model's differ")
-            self.hk = Pages(k.shape[1], k.shape[-1], k.dtype, self.bank.pin)
-            self.hv = Pages(v.shape[1], v.shape[-1], v.dtype, self.bank.pin)
+            self.hk = Pages(k.shape[1], k.shape[-1], k.dtype, self.bank.cuda)
+            self.hv = Pages(v.shape[1], v.shape[-1], v.dtype, self.bank.cuda)
         cuda = self.bank.cuda
         self.hk.write(self.banked, k[0].transpose(0, 1).contiguous(), non_blocking=cuda)
         self.hv.write(self.banked, v[0].transpose(0, 1).contiguous(), non_blocking=cuda)
@@ -223,8 +223,7 @@ class Bank:
 
     def __init__(self, device: torch.device, groups: dict[int, list[int]]):
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.pin = self.cuda
+        self.cuda = device.type == "cuda"  # host pages are pinned exactly then
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.groups = groups
         self.layers: dict[int, BankLayer] = {}
@@ -289,7 +288,7 @@ class Bank:
         if not members:
             return
         self.fetch()  # an earlier filter's choice not gathered yet
-        idx = _host_empty(tuple(index.shape), index.dtype, self.pin)
+        idx = _host_empty(tuple(index.shape), index.dtype, self.cuda)
         idx.copy_(index, non_blocking=self.cuda)
         self.pending = (members, idx, self.event(torch.cuda.current_stream(self.device) if self.cuda else None))
 
@@ -302,7 +301,7 @@ class Bank:
         if ready is not None:
             ready.synchronize()  # the index has reached the host
         first = self.layers[members[0]].hk
-        packed = _host_empty((len(members), 2, len(idx), first.heads, first.d), first.dtype, self.pin)
+        packed = _host_empty((len(members), 2, len(idx), first.heads, first.d), first.dtype, self.cuda)
         for g, j in enumerate(members):
             layer = self.layers[j]
             layer.hk.gather(idx, packed[g, 0])
@@ -328,9 +327,11 @@ class Bank:
         self.pending = None
 
 
-def bank_cache(cache, banked: list[int], groups: dict[int, list[int]], device: torch.device) -> Bank:
-    """Make the layers `banked` of `cache` BankLayers (moving what they hold to the host), fold earlier
-    answers into the bank, and bring every other offloaded layer back; returns the cache's Bank."""
+def bank_cache(cache, groups: dict[int, list[int]], device: torch.device) -> Bank:
+    """Make the layers of `groups` (filter layer -> the layers it serves) BankLayers of `cache`, moving what
+    they hold to the host; fold earlier answers into the bank and bring every other offloaded layer back.
+    Returns the cache's Bank."""
+    banked = {j for members in groups.values() for j in members}
     bank = getattr(cache, "bank", None)
     if bank is None or bank.device != device:
         unbank_cache(cache)

@@ -93,14 +93,13 @@ def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     role = sel.roles[module.layer_idx]
     if role == "sparse" and sel.index is not None:
-        if sel.bank is not None and module.layer_idx in sel.bank.layers:  # key, value: the answer's tokens only
-            tail = torch.arange(sel.prompt, sel.prompt + key.shape[2], device=key.device)
+        offloaded = sel.bank is not None and module.layer_idx in sel.bank.layers  # then key, value: the answer only
+        end = sel.prompt + key.shape[2] if offloaded else key.shape[2]
+        idx = torch.cat([sel.index.to(key.device), torch.arange(sel.prompt, end, device=key.device)])
+        if offloaded:  # the chosen prompt units were copied in from host memory
             chosen_k, chosen_v = sel.bank.selected(module.layer_idx)
             key, value = torch.cat([chosen_k, key], dim=2), torch.cat([chosen_v, value], dim=2)
-            idx = torch.cat([sel.index.to(key.device), tail])
         else:
-            tail = torch.arange(sel.prompt, key.shape[2], device=key.device)
-            idx = torch.cat([sel.index.to(key.device), tail])
             key, value = key[:, :, idx], value[:, :, idx]
         attention_mask = attention_mask[..., idx] if attention_mask is not None else None
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -160,9 +159,7 @@ class OmniKV(Policy):
         roles = layer_roles(depth, self.schedule(depth))
         bank = None
         if self.offload:
-            groups = bank_groups(roles)
-            banked = [j for members in groups.values() for j in members]
-            bank = bank_cache(cache, banked, groups, next(model.parameters()).device)
+            bank = bank_cache(cache, bank_groups(roles), next(model.parameters()).device)
         else:
             unbank_cache(cache)
         self.selection = Selection(roles, self.budget, self.softmax, bank=bank)
