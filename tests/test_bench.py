@@ -158,6 +158,20 @@ def test_report_counts_each_cell(tmp_path, capsys):
         assert all(f"({name})" in md for name in pngs)
 
 
+def test_report_keeps_machines_apart(tmp_path):
+    rows = _fake_rows()
+    for row in list(rows):  # the 512-token locret b=64 cell measured again on a slower machine, one thread
+        if row["policy"] == "locret" and row["budget"] == 64 and row["length"] == 512 and row["task"] == "passkey":
+            rows.append({**row, "hardware": {**row["hardware"], "cpu": "slow", "torch_threads": 1},
+                         "example": row["example"] + 100, "prefill_tps": 50.0, "score": 1.0})
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = write_report(tmp_path, say=lambda line: None).read_text()
+    assert "| passkey | locret | 64 | 0.33 (n=3) | 0.75 (n=4) |" in md  # accuracy pools every machine
+    assert "| locret | 64 | 512 | x, 2 threads | 4 | 100 | 200 |" in md  # timings do not
+    assert "| locret | 64 | 512 | slow, 1 thread | 2 | 100 | 50 |" in md
+    assert "x, 2 threads (31 rows); slow, 1 thread (2 rows)" in md
+
+
 def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
     (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in _fake_rows()))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
@@ -298,3 +312,18 @@ def test_report_keeps_positions_apart_and_tables_retention(tmp_path):
     assert "| passkey | locret | 512 | 0.75 (n=2) |" in table
     assert "| passkey | locret positions=original | 512 | 0.25 (n=1) |" in table
     assert not any("| full |" in line for line in table)  # no retention recorded: no row
+
+
+def test_dry_run_estimate_prefers_this_cpu_then_the_same_policy():
+    from localchat.bench.cell import Cell
+    from localchat.bench.runner import _estimate
+
+    cell = Cell("passkey", 512, "h2o", 64, 20, 0, None, None, 64, "compact", 8)
+    row = {"length": 512, "task": "passkey", "policy": "h2o", "wall_s": 10.0, "hardware": {"cpu": "fast"}}
+    rows = [row, {**row, "policy": "full", "wall_s": 30.0, "hardware": {"cpu": "slow"}},
+            {**row, "task": "niah_single", "wall_s": 50.0, "hardware": {"cpu": "slow"}}]
+    assert _estimate(rows, cell, "slow") == (50.0, " (rows of other tasks)")  # this CPU, same policy
+    assert _estimate(rows[:2], cell, "slow") == (30.0, " (rows of other policies)")
+    assert _estimate(rows[:1], cell, "slow") == (10.0, " (rows of other machines)")
+    assert _estimate(rows, cell, "fast") == (10.0, "")
+    assert _estimate(rows, Cell("passkey", 300, "h2o", 64, 20, 0, None, None, 64, "compact", 8), "fast") == (None, "")

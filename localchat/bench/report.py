@@ -37,6 +37,7 @@ def load_rows(directory: Path) -> list[dict]:
         default = _default_positions(row["policy"].split("[")[0].split()[0])
         if default and row.get("positions") and row["positions"] != default:
             row["policy"] += f" positions={row['positions']}"  # e.g. an evicting policy at original positions
+        row["machine"] = machine(row)
         if row.get("turns") is not None:  # multiturn with a set number of unrelated turns
             row["task"] = f"{row['task']}[{row['turns']} turns]"
     return rows
@@ -122,50 +123,68 @@ def kept_table(rows: list[dict]) -> list[str]:
     return _table(["task", "policy", "budget", *(f"{n} tokens" for n in lengths)], body)
 
 
+def machine(row: dict) -> str:
+    """What a row's timings were taken on: the CPU (or GPU) and torch's thread count."""
+    hw = row.get("hardware") or {}
+    threads = hw.get("torch_threads")
+    name = f"{hw.get('cpu')}, {threads} thread{'s' if threads != 1 else ''}"
+    return f"{hw['gpu']} ({name})" if hw.get("gpu") else name
+
+
 def _setting_rows(rows: list[dict]) -> list[tuple[tuple, list[dict]]]:
-    """(policy, budget, length) groups in a stable order, error rows left out."""
-    groups = _group(_ok(rows), "policy", "budget", "length")
-    order = [(p, b, n) for p in _ordered(r["policy"] for r in rows) for b in _ordered(r["budget"] for r in rows)
-             for n in _ordered(r["length"] for r in rows)]
+    """(policy, budget, length, machine) groups in a stable order, error rows left out: timings taken on
+    different machines (or thread counts) are never pooled."""
+    groups = _group(_ok(rows), "policy", "budget", "length", "machine")
+    order = [(p, b, n, m) for p in _ordered(r["policy"] for r in rows) for b in _ordered(r["budget"] for r in rows)
+             for n in _ordered(r["length"] for r in rows) for m in _ordered(r["machine"] for r in rows)]
     return [(key, groups[key]) for key in order if groups.get(key)]
 
 
+def _machine_column(rows: list[dict]) -> bool:
+    return len({r["machine"] for r in rows}) > 1
+
+
 def speed_table(rows: list[dict]) -> list[str]:
-    body = []
-    for (policy, budget, length), group in _setting_rows(rows):
+    body, with_machine = [], _machine_column(rows)
+    for (policy, budget, length, where), group in _setting_rows(rows):
         followups = [f["total_s"] for r in group for f in (r.get("followups") or [])]
         body.append([
-            policy, _budget(budget), length, len(group), f"{median(r['prompt_tokens'] for r in group):,.0f}",
+            policy, _budget(budget), length, *([where] if with_machine else []), len(group),
+            f"{median(r['prompt_tokens'] for r in group):,.0f}",
             f"{median(r['prefill_tps'] for r in group):,.0f}",
             f"{1000 * median(r['prefill_s'] / r['prompt_tokens'] for r in group):.2f}",
             f"{median(r['decode_tps'] for r in group):.1f}", f"{median(r['ttft_s'] for r in group):.2f}",
             f"{median(followups):.2f}" if followups else "-",
         ])
-    return _table(["policy", "budget", "length", "N", "prompt tokens", "prefill tok/s", "prefill ms/token",
-                   "decode tok/s", "TTFT s", "multiturn follow-up s"], body)
+    return _table(["policy", "budget", "length", *(["machine"] if with_machine else []), "N", "prompt tokens",
+                   "prefill tok/s", "prefill ms/token", "decode tok/s", "TTFT s", "multiturn follow-up s"], body)
 
 
 def memory_table(rows: list[dict]) -> list[str]:
-    body = []
-    for (policy, budget, length), group in _setting_rows(rows):
+    body, with_machine = [], _machine_column(rows)
+    for (policy, budget, length, where), group in _setting_rows(rows):
         body.append([
-            policy, _budget(budget), length, len(group), f"{mean(r['kv_bytes'] for r in group) / MIB:.1f}",
+            policy, _budget(budget), length, *([where] if with_machine else []), len(group),
+            f"{mean(r['kv_bytes'] for r in group) / MIB:.1f}",
             f"{mean(r['kv_full_bytes'] for r in group) / MIB:.1f}", f"{mean(r['compression'] for r in group):.2f}x",
             f"{max(r['peak_memory_bytes'] for r in group) / MIB:,.0f}",
             f"{max(r.get('rss_after_load_bytes') or 0 for r in group) / MIB:,.0f}",
             ", ".join(sorted({r.get("memory_mode", "?") for r in group})),
         ])
-    return _table(["policy", "budget", "length", "N", "KV kept MiB", "KV full MiB", "compression",
+    return _table(["policy", "budget", "length", *(["machine"] if with_machine else []), "N", "KV kept MiB", "KV full MiB", "compression",
                    "peak memory MiB", "after load MiB", "memory mode"], body)
 
 
 def _setup_lines(rows: list[dict]) -> list[str]:
     first = rows[0]
     hw, ver = first.get("hardware", {}), first.get("versions", {})
-    gpu = f", GPU {hw['gpu']}" if hw.get("gpu") else ""
+    counts = defaultdict(int)
+    for r in rows:
+        counts[r["machine"]] += 1
+    machines = "; ".join(f"{m} ({n} rows)" if len(counts) > 1 else m for m, n in counts.items())
     lines = [
-        f"Model: {', '.join(_ordered(r.get('model') for r in rows))}; device {first.get('device')}; "
-        f"{hw.get('cpu')} ({hw.get('cores')} cores, torch threads: {hw.get('torch_threads')}){gpu}.",
+        f"Model: {', '.join(_ordered(r.get('model') for r in rows))}; device "
+        f"{', '.join(map(str, _ordered(r.get('device') for r in rows)))}; {hw.get('cores')} cores; {machines}.",
         f"Versions: torch {ver.get('torch')}, transformers {ver.get('transformers')}, "
         f"localchat {ver.get('localchat')}, Python {ver.get('python')}.",
         f"Settings: chunk {', '.join(map(str, _ordered(r.get('chunk') for r in rows)))}; positions "
@@ -240,11 +259,11 @@ def _accuracy_plot(plt, rows: list[dict], task: str, directory: Path) -> Path:
 
 def _time_memory_plot(plt, rows: list[dict], directory: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    series = _group(_ok(rows), "policy", "budget")
-    for (policy, budget), group in series.items():
+    series = _group(_ok(rows), "policy", "budget", "machine")
+    for (policy, budget, where), group in series.items():
         by_length = sorted(_group(group, "length").items())
         xs = [length for (length,), _ in by_length]
-        label = policy if budget is None else f"{policy} b={budget}"
+        label = _label(policy, budget, where, _machine_column(rows))
         axes[0].plot(xs, [1000 * mean(r["prefill_s"] / r["prompt_tokens"] for r in g) for _, g in by_length],
                      marker="o", label=label)
         axes[1].plot(xs, [1000 * mean(r["decode_s"] / max(r["new_tokens"], 1) for r in g) for _, g in by_length],
@@ -259,19 +278,24 @@ def _time_memory_plot(plt, rows: list[dict], directory: Path) -> Path:
 
 def _prefill_plot(plt, rows: list[dict], directory: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
-    groups = _setting_rows(rows)
-    lengths = _ordered(n for (_, _, n), _ in groups)
-    labels = list(dict.fromkeys(p if b is None else f"{p} b={b}" for (p, b, _), _ in groups))
+    groups, several = _setting_rows(rows), _machine_column(rows)
+    lengths = _ordered(n for (_, _, n, _), _ in groups)
+    labels = list(dict.fromkeys(_label(p, b, m, several) for (p, b, _, m), _ in groups))
     width = 0.8 / max(len(lengths), 1)
     for j, length in enumerate(lengths):
-        values = {(p if b is None else f"{p} b={b}"): mean(r["prefill_tps"] for r in g)
-                  for (p, b, n), g in groups if n == length}
+        values = {_label(p, b, m, several): mean(r["prefill_tps"] for r in g)
+                  for (p, b, n, m), g in groups if n == length}
         ax.bar([i + j * width for i in range(len(labels))], [values.get(label, 0) for label in labels], width,
                label=f"{length} tokens")
     ax.set_xticks([i + width * (len(lengths) - 1) / 2 for i in range(len(labels))], labels, rotation=20, fontsize=8)
     ax.set(title="prefill tokens/s per policy", ylabel="tokens/s")
     ax.legend(fontsize=7)
     return _save(plt, fig, directory / "prefill-tps.png")
+
+
+def _label(policy: str, budget, where: str, several: bool) -> str:
+    label = policy if budget is None else f"{policy} b={budget}"
+    return f"{label} [{where.split(',')[0][:12]}]" if several else label
 
 
 def _save(plt, fig, path: Path) -> Path:

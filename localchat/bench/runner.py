@@ -19,6 +19,7 @@ from pathlib import Path
 from statistics import median
 
 from localchat.bench.cell import Cell, row_key, run_cell
+from localchat.bench.machine import cpu_model
 from localchat.bench.tasks import ANSWER_TOKENS, TASKS
 from localchat.engine.cache import POSITION_MODES
 from localchat.engine.policies import POLICIES
@@ -156,33 +157,46 @@ def _todo(config: BenchConfig, done: set[str]) -> list[tuple[Cell, list[int]]]:
 def dry_run(config: BenchConfig) -> list[str]:
     """What `run` would do, without running it: each cell with examples left, and a time estimate.
 
-    The estimate is the median `wall_s` of the rows already in OUT/results.jsonl with the same task and
-    length (else the same length, any task), times the examples left; cells with no such rows count as unknown.
+    The estimate is the median `wall_s` of the closest rows already in OUT/results.jsonl, times the
+    examples left: rows of this CPU before other machines' (timings differ several-fold between CPUs),
+    then the same length, policy and task before the same length and any policy or task; cells with no
+    row at their length count as unknown.
     """
     check(config)
     path = config.out / RESULTS
     rows = read_rows(path)
     todo = _todo(config, {row_key(r) for r in rows})
     lines, seconds, unknown, left_total = [], 0.0, 0, 0
+    cpu = cpu_model()
     for cell, examples in todo:
         left = len(examples)
         if not left:
             continue
         left_total += left
-        timed = [r for r in rows if r.get("length") == cell.length and r.get("wall_s")]
-        same = [r["wall_s"] for r in timed if r.get("task") == cell.task]
-        per = median(same or [r["wall_s"] for r in timed]) if timed else None
+        per, source = _estimate(rows, cell, cpu)
         if per is None:
             unknown += left
             lines.append(f"{cell.label()}: {left} left, no timing yet")
         else:
             seconds += per * left
-            source = "" if same else " (other tasks' rows)"
             lines.append(f"{cell.label()}: {left} left, about {per * left / 60:.0f} min at {per:.1f} s each{source}")
     eta = f"about {seconds / 3600:.1f} h" + (f" plus {unknown} examples with no timing yet" if unknown else "")
     lines.append(f"{left_total} of {len(todo) * config.n} examples left in {path}; {eta} for one process "
                  "(rows' median wall_s)")
     return lines
+
+
+def _estimate(rows: list[dict], cell: Cell, cpu: str) -> tuple[float | None, str]:
+    """(median wall_s of the closest timed rows, a note on where they come from) for `cell`."""
+    timed = [r for r in rows if r.get("length") == cell.length and r.get("wall_s")]
+    here = [r for r in timed if (r.get("hardware") or {}).get("cpu") == cpu]
+    for pool, machines in ((here, []), (timed, ["other machines"])):
+        for match, others in ((("policy", "task"), []), (("policy",), ["other tasks"]), ((), ["other policies"])):
+            same = [r["wall_s"] for r in pool if all(r.get(f) == getattr(cell, f) for f in match)]
+            if same:
+                differ = others + machines
+                return median(same), f" (rows of {', '.join(differ)})" if differ else ""
+    return None, ""
 
 
 def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
