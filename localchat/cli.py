@@ -38,6 +38,9 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--heads", default=d(None), help="retaining heads directory, or `random` (ablation)")
     p.add_argument("--offload", action="store_true", default=d(False),
                    help="OmniKV on a GPU: keep the sparse layers' K/V in host memory and copy in what they attend to")
+    p.add_argument("--sparse-prefill", type=float, default=d(None), metavar="R",
+                   help="OmniKV: while reading, filter layers pick R x chunk earlier tokens for the later layers "
+                        "(the paper's R = 2; default off: full attention)")
     p.add_argument("--profile", "-P", default=d(None), metavar="NAME",
                    help="device profile (`localchat profile list`), or `none`; default: config.toml's default_profile")
     if "--weights" not in p._option_string_actions:  # plan / profile parsers add their own
@@ -137,7 +140,8 @@ def load_engine(args):
                          weights=getattr(args, "weights", None), kv=kv_choice(getattr(args, "kv", None)))
     engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
                                  local=args.local, heads=args.heads, decode_window=args.decode_window,
-                                 offload=getattr(args, "offload", False)),
+                                 offload=getattr(args, "offload", False),
+                                 sparse_prefill=getattr(args, "sparse_prefill", None)),
                       args.positions)
     fit_engine(engine, args)
     return engine

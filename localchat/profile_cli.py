@@ -234,7 +234,8 @@ def load_measured(args) -> tuple[object, int]:
     engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
                                  local=args.local, heads=getattr(args, "heads", None),
                                  decode_window=getattr(args, "decode_window", None),
-                                 offload=getattr(args, "offload", False)), args.positions)
+                                 offload=getattr(args, "offload", False),
+                                 sparse_prefill=getattr(args, "sparse_prefill", None)), args.positions)
     return engine, baseline
 
 

@@ -327,3 +327,19 @@ def test_dry_run_estimate_prefers_this_cpu_then_the_same_policy():
     assert _estimate(rows[:1], cell, "slow") == (10.0, " (rows of other machines)")
     assert _estimate(rows, cell, "fast") == (10.0, "")
     assert _estimate(rows, Cell("passkey", 300, "h2o", 64, 20, 0, None, None, 64, "compact", 8), "fast") == (None, "")
+
+
+def test_sparse_prefill_rows_are_omnikvs_own(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "grid"
+    argv = _grid(["--tasks", "passkey", "--lengths", "256", "--policies", "full,omnikv", "--budgets", "32", "-n", "1",
+                  "--in-process", "--sparse-prefill", "0.5"], tiny_dir, out)
+    assert main(argv) == 0
+    rows = _rows(out)
+    assert {(r["policy"], r["sparse_prefill"]) for r in rows} == {("full", None), ("omnikv", 0.5)}
+    assert all(r["error"] is None for r in rows) and "--sparse-prefill 0.5" in rows[0]["command"]
+    assert main(["bench", "report", str(out)]) == 0
+    assert "| passkey | omnikv sparse-prefill=0.5 | 32 |" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(_grid(["--tasks", "passkey", "--lengths", "256", "--policies", "full", "--sparse-prefill", "2"],
+                      tiny_dir, out)) == 2
+    assert "--sparse-prefill applies to omnikv" in capsys.readouterr().err

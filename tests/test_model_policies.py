@@ -36,6 +36,18 @@ def test_omnikv_answers_through_ask_reading_512_units_per_sparse_layer(smollm2, 
     assert int(err.split("kept ")[1].split(" units")[0].replace(",", "")) > sample.n_tokens  # nothing dropped
 
 
+def test_omnikv_sparse_prefill_answers_through_ask(smollm2, tmp_path, capsys):
+    """Spec §2.8: reading too, the sparse layers see only 2 x 512 earlier tokens the filter layers chose."""
+    sample = passkey(smollm2.tokenizer, 4000, seed=5, depth=0.5)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(sample.document)
+    argv = ["ask", "--file", str(doc), "--policy", "omnikv", "--budget", "512", "--sparse-prefill", "2",
+            "--max-new-tokens", "16", "What is the pass key? Answer with the number only."]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert score_passkey(sample, out), out
+
+
 @pytest.mark.parametrize(("name", "budget", "depth"), [("sagekv", 3072, 0.5), ("roco", 2048, 0.5), ("corm", 1024, 0.95)])
 def test_policy_finds_the_pass_key_at_4k_within_its_budget(smollm2, name, budget, depth):
     sample = passkey(smollm2.tokenizer, 4000, seed=5, depth=depth)

@@ -13,7 +13,8 @@ from localchat.engine.heads import attention_modules
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.policies.base import PROTECT, follow
 from localchat.engine.policies.corm import important, wanted
-from localchat.engine.policies.omnikv import filter_layers, layer_roles, select_tokens
+from localchat.engine.policies import omnikv
+from localchat.engine.policies.omnikv import filter_layers, layer_roles, select_tokens, uniform_select
 from localchat.engine.policies.roco import Stats, group_mean, roco_priority, seen_counts
 from localchat.engine.policies.sagekv import select_middle, split
 from localchat.engine.prefill import evict_while_decoding, forward, prefill
@@ -223,6 +224,76 @@ def test_omnikv_with_a_budget_over_the_prompt_equals_full_attention():
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
 
 
+def _uniform_reference(q, k, earlier, keep, scaling):
+    """Spec §2.8 by loops: each chunk row's causal softmax over the keys it sees, max over heads, summed."""
+    h_q, t, _ = q.shape
+    g = h_q // k.shape[0]
+    score = torch.zeros(earlier)
+    for j in range(t):
+        best = torch.full((earlier,), -1.0)
+        for h in range(h_q):
+            probs = (k[h // g, : earlier + j + 1] @ q[h, j] * scaling).softmax(-1)
+            best = torch.maximum(best, probs[:earlier])
+        score += best
+    return score.topk(keep).indices.sort().values
+
+
+def test_omnikv_reading_selection_sums_each_rows_max_head_probability_by_hand(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 6, 8, generator=gen), torch.randn(1, 2, 20, 8, generator=gen)
+    want = _uniform_reference(q[0], k[0], 14, 5, 0.35)
+    assert uniform_select(q, k, 14, 5, 0.35).tolist() == want.tolist()
+    monkeypatch.setattr(omnikv, "BLOCK_BYTES", 4 * 4 * 20 * 2)  # two query rows per block: the same choice
+    assert uniform_select(q, k, 14, 5, 0.35).tolist() == want.tolist()
+    assert uniform_select(q, k, 3, 5, 0.35).tolist() == [0, 1, 2]
+
+
+def test_omnikv_sparse_layer_reads_a_chunk_over_the_chosen_tokens_and_the_chunk():
+    model = _model(layers=4)
+    module = attention_modules(model)[3]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h, n in ((4, 5), (2, 17), (2, 17)))
+    sel = omnikv.Selection(["dense", "filter", "dense", "sparse"], 8, True, reading_keep=4,
+                           reading_index=torch.tensor([0, 3, 7, 9]))
+    idx = torch.tensor([0, 3, 7, 9, 12, 13, 14, 15, 16])
+    visible = torch.ones(5, 9, dtype=torch.bool)
+    visible[:, 4:] = torch.ones(5, 5, dtype=torch.bool).tril()
+    logits = torch.einsum("hqd,hnd->hqn", q[0], k[0, :, idx].repeat_interleave(2, 0)) * 0.25
+    want = logits.masked_fill(~visible, float("-inf")).softmax(-1) @ v[0, :, idx].repeat_interleave(2, 0)
+    causal = torch.ones(5, 17, dtype=torch.bool).tril(12)[None, None]  # what SDPA's mask says for the chunk
+    for mask in (None, causal):
+        out, _ = omnikv._sparse_reading(module, sel, q, k, v, mask, 0.25, 0.0)
+        assert torch.allclose(out[0].transpose(0, 1), want, atol=1e-5)
+
+
+def test_omnikv_sparse_prefill_keeps_every_token_and_filters_by_the_chunk(monkeypatch):
+    model = _model(layers=4)
+    ids = _ids(48)
+    policy = make_policy("omnikv", budget=8, filters=(1,), prefill_ratio=0.5)  # keep 8 of the earlier tokens
+    grabbed, hook = {}, attention_modules(model)[1].q_proj.register_forward_hook(
+        lambda m, a, out: grabbed.__setitem__("q", out[0]))
+    chosen, real = [], omnikv.uniform_select
+    monkeypatch.setattr(omnikv, "uniform_select", lambda *a, **kw: chosen.append(real(*a, **kw)) or chosen[-1])
+    cache, reports, _, logits = _prefill(model, policy, ids, chunk=16)
+    hook.remove()
+    policy.detach()
+    assert cache.get_seq_length() == 48 and not any(r.evicted for r in reports)
+    assert len(chosen) == 2 and policy.selection.reading_index is None  # chunks 2 and 3; cleared at the end
+    # the filter layer's choice for the last chunk, by hand from its 16 queries and the 48 cached keys
+    d = model.config.head_dim
+    cos, sin = model.model.rotary_emb(torch.zeros(1, 1, d), torch.arange(32, 48)[None])
+    q = grabbed["q"].view(1, 16, 4, d).transpose(1, 2)
+    q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    want = _uniform_reference(q[0].float(), cache.layers[1].keys[0].float(), 32, 8, d**-0.5)
+    assert chosen[-1].tolist() == want.tolist()
+    # a reading budget over the prompt is full attention; one under it changes the answer's logits
+    wide = make_policy("omnikv", budget=8, filters=(1,), prefill_ratio=10)
+    _, _, _, wide_logits = _prefill(model, wide, ids, chunk=16)
+    wide.detach()
+    _, _, _, plain = _prefill(model, make_policy("full"), ids, chunk=16)
+    assert torch.allclose(wide_logits, plain, atol=1e-5) and not torch.allclose(logits, plain, atol=1e-4)
+
+
 # --- RoCo --------------------------------------------------------------------------------------------
 
 
@@ -389,3 +460,15 @@ def test_omnikv_filters_are_sorted_and_checked_against_the_depth(tiny_tok):
     engine.set_policy(make_policy("omnikv", budget=8, filters=(1, 4)))
     events = list(engine.chat([{"role": "user", "content": "hello " * 8}], GenerationSettings(max_new_tokens=2)))
     assert isinstance(events[-1], Error) and "must lie in 0..3" in events[-1].message
+
+
+def test_sparse_prefill_flag_is_omnikvs(tiny_engine):
+    from localchat.engine.policy_setup import policy_for
+    from localchat.errors import UserError
+
+    assert policy_for(tiny_engine, "omnikv", sparse_prefill=2).prefill_ratio == 2
+    assert policy_for(tiny_engine, "omnikv").prefill_ratio == 0
+    with pytest.raises(UserError, match="applies to --policy omnikv"):
+        policy_for(tiny_engine, "streaming", sparse_prefill=2)
+    with pytest.raises(UserError, match="must be 0 .off. or more"):
+        policy_for(tiny_engine, "omnikv", sparse_prefill=-1)

@@ -26,7 +26,7 @@ from localchat.errors import UserError
 
 FOLLOWUP_TOKENS = 8  # answer length of the earlier multiturn turns (the model's own answers are kept)
 KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
-              "max_new_tokens", "turns", "weights", "kv")
+              "max_new_tokens", "turns", "weights", "kv", "sparse_prefill")
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,15 @@ class Cell:
     turns: int | None = None  # multiturn: unrelated turns between the document and the question
     weights: str | None = None  # --weights (None: the device's dtype)
     kv: str | None = None  # --kv int8/int4/int2 (None: unquantized cache)
+    sparse_prefill: float | None = None  # omnikv only: --sparse-prefill R (None: full-attention reading)
 
     def key(self, example: int) -> str:
         return json.dumps([*(getattr(self, f) for f in KEY_FIELDS), example])
 
     def label(self) -> str:
         budget = "" if self.budget is None else f" b={self.budget}"
-        quant = "".join(f" {name}={v}" for name, v in (("weights", self.weights), ("kv", self.kv)) if v)
+        quant = "".join(f" {name}={v:g}" if isinstance(v, float) else f" {name}={v}" for name, v in
+                        (("weights", self.weights), ("kv", self.kv), ("sparse-prefill", self.sparse_prefill)) if v)
         return f"{self.task} {self.length} {self.policy}{budget}{quant}"
 
 
@@ -95,8 +97,8 @@ def use_policy(engine, cell: Cell) -> None:
         stabilizers = stabilizers if stabilizers < cell.budget else cell.budget // 4
     heads = cell.heads if cell.policy == "locret" else None
     engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
-    engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, stabilizers=stabilizers, heads=heads),
-                      cell.positions)
+    engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, stabilizers=stabilizers, heads=heads,
+                                 sparse_prefill=cell.sparse_prefill), cell.positions)
 
 
 def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory: str = "subprocess",

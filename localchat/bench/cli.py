@@ -50,6 +50,8 @@ def add_parser(subparsers) -> None:
                        help="weight precisions, comma-separated (fp32,int8,int4,nf4,...; default: the device's dtype)")
     bench.add_argument("--kv", default=argparse.SUPPRESS,
                        help="KV cache quantization, comma-separated (none,int8,int4,int2; default none)")
+    bench.add_argument("--sparse-prefill", type=float, default=None, metavar="R",
+                       help="omnikv cells: filter layers pick R x chunk earlier tokens while reading (spec §2.8)")
     bench.add_argument("--dry-run", action="store_true",
                        help="list the cells with examples left and estimate the time; run nothing")
     bench.add_argument("--in-process", action="store_true",
@@ -121,6 +123,8 @@ def _command(args, perf: bool) -> str:
             parts += ["--answer-tokens", str(args.answer_tokens)]
         if args.turns is not None:
             parts += ["--turns", args.turns]
+        if args.sparse_prefill is not None:
+            parts += ["--sparse-prefill", f"{args.sparse_prefill:g}"]
         for flag in ("weights", "kv"):
             if getattr(args, flag, None):
                 parts += [f"--{flag}", getattr(args, flag)]
@@ -175,7 +179,7 @@ def run(args) -> int:
         seed=getattr(args, "seed", 0) or 0, answer_tokens=args.answer_tokens, in_process=args.in_process,
         turns=_ints(args.turns, "turns") if args.turns is not None else None,
         weights=_quant_axis(getattr(args, "weights", None), "weights"),
-        kv=_quant_axis(getattr(args, "kv", None), "kv"),
+        kv=_quant_axis(getattr(args, "kv", None), "kv"), sparse_prefill=args.sparse_prefill,
         command=_command(args, perf=False),
     )
     if args.dry_run:

@@ -34,6 +34,8 @@ def load_rows(directory: Path) -> list[dict]:
         for name in ("weights", "kv"):  # quantized runs are rows of their own
             if row.get(name):
                 row["policy"] += f" {name}={row[name]}"
+        if row.get("sparse_prefill"):  # OmniKV reading with the filter layers' choice
+            row["policy"] += f" sparse-prefill={row['sparse_prefill']:g}"
         default = _default_positions(row["policy"].split("[")[0].split()[0])
         if default and row.get("positions") and row["positions"] != default:
             row["policy"] += f" positions={row['positions']}"  # e.g. an evicting policy at original positions

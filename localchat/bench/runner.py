@@ -48,6 +48,7 @@ class BenchConfig:
     in_process: bool = False
     weights: list[str | None] = field(default_factory=lambda: [None])  # --weights axis (None: device dtype)
     kv: list[str | None] = field(default_factory=lambda: [None])  # --kv axis (None: unquantized)
+    sparse_prefill: float | None = None  # omnikv cells: --sparse-prefill R
     command: str = ""
     engines: dict = field(default_factory=dict, repr=False)  # in-process: loaded engines by (model, chunk)
 
@@ -72,6 +73,10 @@ def check(config: BenchConfig) -> None:
     for length in config.lengths:
         if not MIN_LENGTH <= length <= MAX_LENGTH:
             raise UserError(f"length {length} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
+    if config.sparse_prefill is not None and "omnikv" not in config.policies:
+        raise UserError("--sparse-prefill applies to omnikv; add omnikv to --policies or drop --sparse-prefill")
+    if config.sparse_prefill is not None and config.sparse_prefill <= 0:
+        raise UserError(f"--sparse-prefill must be above 0 (the paper's R = 2), not {config.sparse_prefill:g}")
     if any(POLICIES[p].evicts or POLICIES[p].selects for p in config.policies) and not config.budgets:
         raise UserError("evicting (and selecting) policies need --budgets")
     for value, what in [*((b, "budget") for b in config.budgets), (config.n, "-n"),
@@ -122,7 +127,7 @@ def plan(config: BenchConfig) -> list[Cell]:
                         model_spec=config.model, heads=config.heads if policy == "locret" else None, chunk=chunk,
                         positions=config.positions or (cls.default_positions if evicts else "original"),
                         max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task], turns=turns,
-                        weights=weights, kv=kv,
+                        weights=weights, kv=kv, sparse_prefill=config.sparse_prefill if policy == "omnikv" else None,
                     ))
     return cells
 

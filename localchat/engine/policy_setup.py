@@ -32,12 +32,15 @@ def load_heads(engine, heads: str | None) -> RetainingHeads:
 
 def policy_for(engine, name: str | None, *, budget: int | None = None, stabilizers: int | None = None,
                local: int | None = None, heads: str | None = None, decode_window: int | None = None,
-               offload: bool = False) -> Policy:
+               offload: bool = False, sparse_prefill: float | None = None) -> Policy:
     """`name` defaults to locret when trained heads exist for the model (or --heads is given), else full."""
     if name is None:
         name = "locret" if heads or shipped_heads_dir(engine) else "full"
     if offload:
         check_offload(name, engine.device.type, "run it where a CUDA GPU is")
+    if sparse_prefill is not None and name != "omnikv":
+        raise UserError(f"--sparse-prefill applies to --policy omnikv (its filter layers choose what later layers read), "
+                        f"not to {name}; drop --sparse-prefill or add --policy omnikv")
     card = engine.card.locret if engine.card else {}
     settings = {
         "budget": budget if budget is not None else card.get("budget"),
@@ -45,6 +48,7 @@ def policy_for(engine, name: str | None, *, budget: int | None = None, stabilize
         "local": local if local is not None else card.get("local"),
         "decode_window": decode_window,
         "offload": offload or None,
+        "prefill_ratio": sparse_prefill,
     }
     if name == "locret":
         settings["heads"] = load_heads(engine, heads)

@@ -119,6 +119,8 @@ def prefill(
         raise ValueError("prefill needs at least one token")
     evicting = policy is not None and policy.evicts
     head_end = max(0, n - (policy.local if evicting else 0))
+    if policy is not None:
+        policy.prefill_start(cache, chunk)
     t0 = time.perf_counter()
     logits = None
     start = 0

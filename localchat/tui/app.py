@@ -153,8 +153,8 @@ class LocalChatApp(App):
 
 
 def _for_policy(name: str, args: dict) -> dict:
-    """policy_for() keywords for `name`: --offload is OmniKV's, the other policies keep the cache on the device."""
-    return {k: v for k, v in args.items() if k != "offload" or name == "omnikv"}
+    """policy_for() keywords for `name`: --offload and --sparse-prefill are OmniKV's alone."""
+    return {k: v for k, v in args.items() if k not in ("offload", "sparse_prefill") or name == "omnikv"}
 
 
 def run_tui(args, settings) -> int:
@@ -163,7 +163,7 @@ def run_tui(args, settings) -> int:
 
     policy_args = {"budget": args.budget, "stabilizers": args.stabilizers, "local": args.local,
                    "heads": args.heads, "decode_window": args.decode_window, "positions": args.positions,
-                   "offload": getattr(args, "offload", False)}
+                   "offload": getattr(args, "offload", False), "sparse_prefill": getattr(args, "sparse_prefill", None)}
     def load():
         engine = load_engine(args)  # applies the profile and the plan to args
         app.policy_args.update({k: getattr(args, k) for k in ("budget", "stabilizers", "local", "positions")})

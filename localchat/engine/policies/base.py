@@ -19,6 +19,7 @@ Optional hooks (defaults keep the behaviour above; used by the seed methods othe
                                   keep_size (SAGE-KV's rolling window, CORM's per-step rule)
   keep_size(cache)                units per KV head an eviction keeps; default `budget` (CORM: fewer when
                                   fewer keys are important, capped by the budget)
+  prefill_start(cache, chunk)     before a prompt's first chunk, with the chunk size in force
   prefill_done(cache)             once the whole prompt is in the cache, before the first decoded token
   notice()                        a line for the user after prefill (e.g. "the cap bound"), or None
   default_positions               the position mode when the user names none ("compact" or "original")
@@ -64,6 +65,9 @@ class Policy:
 
     def keep_size(self, cache) -> int:
         return self.budget
+
+    def prefill_start(self, cache, chunk: int) -> None:
+        pass
 
     def prefill_done(self, cache) -> None:
         pass

@@ -71,6 +71,38 @@ def select_tokens(query: torch.Tensor, key: torch.Tensor, prompt: int, k: int, s
     return score.topk(min(k, prompt)).indices.sort().values
 
 
+BLOCK_BYTES = 16 * 2**20  # one block of query rows' fp32 logits while a filter layer scores a chunk
+
+
+def uniform_select(query: torch.Tensor, key: torch.Tensor, earlier: int, k: int, scaling: float,
+                   softmax: bool = True) -> torch.Tensor:
+    """The prefill variant's selector (spec §2.8, the "uniform" window over the chunk): `[min(k, earlier)]` slots
+    among the `earlier` slots cached before this chunk, ascending, shared by every head of the following layers.
+
+    `query` `[1, H_q, T, d]` (the chunk, post-RoPE), `key` `[1, H_kv, n, d]` with n = earlier + T (the chunk last).
+    Score of an earlier slot t = Σ over the chunk's rows j of max over all query heads of A[h, j, t], where A is
+    each row's causal softmax over every key it sees (`softmax=False`: the scaled logits). Rows are taken in
+    blocks so at most BLOCK_BYTES of fp32 logits exist at once.
+    """
+    h_q, t, d = query.shape[1], query.shape[2], query.shape[3]
+    h_kv, n = key.shape[1], key.shape[2]
+    keys = key[0].float()  # [H_kv, n, d]
+    score = torch.zeros(earlier, dtype=torch.float32, device=key.device)
+    rows = max(1, BLOCK_BYTES // (4 * h_q * n))
+    for s in range(0, t, rows):
+        e = min(t, s + rows)
+        q = query[0, :, s:e].float().reshape(h_kv, h_q // h_kv, e - s, d)
+        logits = torch.einsum("hgwd,hnd->hgwn", q, keys).mul_(scaling)  # [H_kv, G, w, n]
+        if softmax:
+            sees = earlier + torch.arange(s, e, device=key.device)[:, None]  # each row's own slot
+            logits.masked_fill_(torch.arange(n, device=key.device)[None, :] > sees, float("-inf"))
+            part = (logits[..., :earlier] - logits.logsumexp(dim=-1, keepdim=True)).exp_()
+        else:
+            part = logits[..., :earlier]
+        score += part.amax(dim=(0, 1)).sum(dim=0)
+    return score.topk(min(k, earlier)).indices.sort().values
+
+
 @dataclass
 class Selection:
     """What one model's layers share during a decode step."""
@@ -81,6 +113,8 @@ class Selection:
     prompt: int | None = None  # slots that are candidates (the cache length at the end of prefill); None: prefill
     index: torch.Tensor | None = None  # [k] slots chosen by the latest filter layer
     bank: Bank | None = None  # --offload: the sparse layers' prompt K/V in host memory (engine/offload.py)
+    reading_keep: int = 0  # > 0 (--sparse-prefill): earlier tokens the sparse layers see per chunk while reading
+    reading_index: torch.Tensor | None = None  # [reading_keep] slots the latest filter layer chose for this chunk
 
 
 def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -90,6 +124,8 @@ def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if sel is None or sel.prompt is None or query.shape[2] != 1:  # prefill: full attention
         if sel is not None and sel.bank is not None:  # copy the next offloaded layer in while this one runs
             sel.bank.prefetch_after(module.layer_idx, query.shape[2])
+        if sel is not None and sel.reading_keep and query.shape[2] > 1:
+            return _sparse_reading(module, sel, query, key, value, attention_mask, scaling, dropout, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     role = sel.roles[module.layer_idx]
     if role == "sparse" and sel.index is not None:
@@ -113,6 +149,28 @@ def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out
 
 
+def _sparse_reading(module, sel: Selection, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """A prefill chunk under --sparse-prefill (spec §2.8): filter layers choose `reading_keep` earlier tokens with
+    the chunk as the query window; the sparse layers after them attend to those plus the chunk itself."""
+    role, t, n = sel.roles[module.layer_idx], query.shape[2], key.shape[2]
+    earlier = n - t
+    if role == "sparse" and sel.reading_index is not None:
+        idx = torch.cat([sel.reading_index.to(key.device), torch.arange(earlier, n, device=key.device)])
+        key, value = key[:, :, idx], value[:, :, idx]
+        if attention_mask is None:  # SDPA's own causal flag would align the chunk with the first keys: be explicit
+            attention_mask = torch.ones((t, idx.numel()), dtype=torch.bool, device=key.device)
+            attention_mask[:, -t:] = torch.ones((t, t), dtype=torch.bool, device=key.device).tril()
+            attention_mask = attention_mask[None, None]
+        else:
+            attention_mask = attention_mask[..., idx]
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if role == "filter":
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        chosen = earlier > sel.reading_keep  # else the sparse layers see every earlier token anyway
+        sel.reading_index = uniform_select(query, key, earlier, sel.reading_keep, scale, sel.softmax) if chosen else None
+    return out
+
+
 AttentionInterface.register(OMNIKV_IMPL, omnikv_attention)
 AttentionMaskInterface.register(OMNIKV_IMPL, sdpa_mask)
 
@@ -132,6 +190,9 @@ class OmniKV(Policy):
     `filter_layers(depth)` (the paper's {2, 8, 18} of 32 scaled to the depth), softmax True (the paper;
     False: the code's logit max), offload False (True, `--offload` on a GPU: the sparse layers' K/V stays in
     host memory, the paper's context bank, and each filter layer's choice is copied in; engine/offload.py).
+    prefill_ratio 0 (reading is full attention; r > 0, `--sparse-prefill r`: the spec's optional prefill variant,
+    §2.8: at each chunk the filter layers pick round(r · chunk) earlier tokens with the chunk as a uniform query
+    window, and the sparse layers attend to those plus the chunk; the paper's trade-off is r = 2).
     Paper: OmniKV, ICLR 2025 submission (specs/omnikv.md).
     """
 
@@ -143,6 +204,11 @@ class OmniKV(Policy):
     filters: tuple[int, ...] | None = None
     softmax: bool = True
     offload: bool = False
+    prefill_ratio: float = 0.0
+
+    def __post_init__(self):
+        if self.prefill_ratio < 0:
+            raise UserError(f"--sparse-prefill must be 0 (off) or more (the paper's r = 2), not {self.prefill_ratio:g}")
 
     def schedule(self, depth: int) -> tuple[int, ...]:
         if not self.filters:
@@ -165,11 +231,20 @@ class OmniKV(Policy):
         self.selection = Selection(roles, self.budget, self.softmax, bank=bank)
         self.switch = AttentionSwitch(model, OMNIKV_IMPL, _ATTR, self.selection)
 
+    def prefill_start(self, cache, chunk: int) -> None:
+        self.selection.reading_keep = round(self.prefill_ratio * chunk) if self.prefill_ratio else 0
+        self.selection.reading_index = None
+
     def prefill_done(self, cache) -> None:
         self.selection.prompt = cache.get_seq_length()
         self.selection.index = None
+        self.selection.reading_index = None
         if self.selection.bank is not None:
             self.selection.bank.answer()
+
+    def score_bytes(self, layers: int, q_heads: int, kv_heads: int, chunk: int, n: int) -> int:
+        """--sparse-prefill: a filter layer's block of fp32 logits and its probabilities over the earlier tokens."""
+        return 2 * min(BLOCK_BYTES, 4 * q_heads * chunk * n) if self.prefill_ratio else 0
 
     def offloaded_layers(self, depth: int) -> int:
         if not self.offload:
