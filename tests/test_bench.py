@@ -343,3 +343,18 @@ def test_sparse_prefill_rows_are_omnikvs_own(tiny_dir, tmp_path, capsys):
     assert main(_grid(["--tasks", "passkey", "--lengths", "256", "--policies", "full", "--sparse-prefill", "2"],
                       tiny_dir, out)) == 2
     assert "--sparse-prefill applies to omnikv" in capsys.readouterr().err
+
+
+def test_side_by_side_ranks_policies_per_length_and_budget(tmp_path):
+    rows = _fake_rows()
+    for row in list(rows):  # a policy with one task only: shown, but without a mean
+        if row["policy"] == "locret" and row["budget"] == 64 and row["task"] == "passkey":
+            rows.append({**row, "policy": "streaming", "score": 1.0})
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = write_report(tmp_path, say=lambda line: None).read_text()
+    table = md.split("256 tokens, budget 64:")[1].split("256 tokens, budget 128:")[0]
+    assert table.index("| full (no budget) | 0.33 (3) | 0.33 (3) | 0.33 |") < table.index("| streaming | 1.00 (3) |  |  |")
+    assert "| locret | 0.33 (3) | 0.33 (3) | 0.33 |" in table and "| policy | passkey | niah_single | mean |" in table
+    table = md.split("512 tokens, budget 128:")[1].split("## Accuracy")[0]
+    assert "| full (no budget) | 0.50 (2) | 0.50 (2) | 0.50 |" in table  # the error row is left out
+    assert "streaming" not in table

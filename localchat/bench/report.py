@@ -102,6 +102,35 @@ def accuracy_table(rows: list[dict]) -> list[str]:
     return _table(["task", "policy", "budget", *(f"{n} tokens" for n in lengths)], body)
 
 
+def side_by_side(rows: list[dict]) -> list[str]:
+    """One table per (length, budget): every policy against every task, best mean first.
+
+    A cell is the mean score with N; budget-less rows (`full`) stand in every table of their length as the
+    reference. "mean" averages the policy's task means, only when it has every task of the table.
+    """
+    ok = _ok(rows)
+    groups = _group(ok, "task", "policy", "budget", "length")
+    lines: list[str] = []
+    for length in _ordered(r["length"] for r in ok):
+        here = [r for r in ok if r["length"] == length]
+        for budget in [b for b in _ordered(r["budget"] for r in here) if b is not None]:
+            table = [r for r in here if r["budget"] in (None, budget)]
+            tasks = _ordered(r["task"] for r in table)
+            body = []
+            for policy, b in dict.fromkeys((r["policy"], r["budget"]) for r in table):
+                cells = [groups.get((t, policy, b, length)) for t in tasks]
+                means = [mean(r["score"] for r in g) for g in cells if g]
+                whole = len(means) == len(tasks)
+                body.append((mean(means) if whole else -1.0, [
+                    policy if b is not None else f"{policy} (no budget)",
+                    *(f"{mean(r['score'] for r in g):.2f} ({len(g)})" if g else "" for g in cells),
+                    f"{mean(means):.2f}" if whole else ""]))
+            body.sort(key=lambda item: -item[0])  # stable: policies of equal mean keep their order
+            lines += [f"{length} tokens, budget {budget}:", "",
+                      *_table(["policy", *tasks, "mean"], [line for _, line in body]), ""]
+    return lines
+
+
 def _kept(row: dict) -> float | None:
     value = row.get("answer_kept")
     return row.get("needle_kept") if value is None else value
@@ -205,6 +234,8 @@ def write_report(directory: Path, say: Callable[[str], None] = lambda s: print(s
     rows = load_rows(directory)
     plots, notice = _plots(rows, directory)
     md = ["# localchat bench report", "", *(f"{line}  " for line in _setup_lines(rows)), "",
+          "## Side by side (mean score (N) per task at one length and budget, best mean first)", "",
+          *side_by_side(rows),
           "## Accuracy (mean score, N examples per cell)", "", *accuracy_table(rows), "",
           "## Speed (medians over the cell's examples: a run slowed for a while moves them little)", "", *speed_table(rows), "",
           "## Memory (KV bytes kept vs a full cache; peak memory is the cell's largest)", "", *memory_table(rows), ""]
