@@ -149,3 +149,21 @@ def test_bad_training_settings_stop_before_the_model_loads(flag, value, capsys):
     assert main(["--model", "/no/such/model", "train-heads", "--out", "/tmp/unused", flag, value]) == 2
     err = capsys.readouterr().err
     assert flag in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["train-heads", "--model", "M", "--out", "D"], ["--model", "M", "train-heads", "--out", "D"],
+                                  ["import-heads", "src", "-m", "M", "--out", "D"], ["-m", "M", "import-heads", "src", "--out", "D"]])
+def test_model_flag_works_before_or_after_the_training_subcommands(argv):
+    from localchat.cli import build_parser
+
+    assert build_parser().parse_args(argv).model == "M"
+    # Without it the embedded default stays (None), whichever side of the subcommand the other flags are.
+    assert build_parser().parse_args([a for a in argv if a not in ("--model", "-m", "M")]).model is None
+
+
+def test_train_heads_with_a_missing_model_after_the_subcommand_is_one_line(capsys):
+    from localchat.cli import main
+
+    assert main(["train-heads", "--model", "/no/such/model", "--out", "/tmp/unused-heads"]) == 2
+    err = capsys.readouterr().err
+    assert "/no/such/model" in err and err.count("\n") == 1 and "Traceback" not in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -13,8 +14,15 @@ from pathlib import Path
 from localchat.errors import UserError
 
 
+def _model_flag(p) -> None:
+    """`--model` after the subcommand too (SUPPRESS keeps `localchat --model X train-heads ...`)."""
+    p.add_argument("--model", "-m", default=argparse.SUPPRESS,
+                   help="Hugging Face id, local HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("train-heads", help="train LOCRET retaining heads for a model (backbone frozen)")
+    _model_flag(p)
     p.add_argument("--out", required=True, help="directory for heads.safetensors, heads.json, the log and the card")
     p.add_argument("--data", default=None, help="label files directory (default OUT/data); reused and extended")
     p.add_argument("--samples", type=int, default=160, help="training prompts to label (default 160)")
@@ -34,6 +42,7 @@ def add_parser(sub) -> None:
     q = sub.add_parser("import-heads", help="convert official LOCRET head weights into our format")
     q.add_argument("source", help="a .safetensors/.bin file or a directory of them")
     q.add_argument("--out", required=True)
+    _model_flag(q)
 
 
 def _recipe(args):
