@@ -2,7 +2,8 @@
 
 `python -m localchat.bench.cell SPEC_JSON` runs a cell in a fresh process (the runner's default), so
 the peak RSS read at the end (`ru_maxrss`) belongs to that cell alone. Each example appends one JSON
-row to the results file as soon as it finishes.
+row to the results file as soon as it finishes. Each example is claimed first (`lanes`), so several
+`localchat bench` processes can share one results file without running an example twice.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from localchat.bench import machine
+from localchat.bench import lanes, machine
 from localchat.bench.tasks import OPENING, Sample, as_document, depth_for, make_sample, prompt_messages, score
 from localchat.engine.events import Done, Error
 from localchat.engine.sampling import GenerationSettings
@@ -114,18 +115,27 @@ def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory:
         "stabilizers": getattr(engine.policy, "stabilizers", None) if engine.policy.evicts else None,
         "local": engine.policy.local if engine.policy.evicts else None,
     }
-    done_before, total = progress
-    for k, example in enumerate(examples):
-        sample = sample_for(cell, engine.tokenizer, example)
-        t0 = time.perf_counter()
-        result = run_example(engine, sample, cell.max_new_tokens)
-        peak = torch.cuda.max_memory_allocated() if cuda else machine.max_rss_bytes()
-        row = {**dataclasses.asdict(cell), "example": example, **common, **_sample_fields(sample, cell, example),
-               **result, "peak_memory_bytes": peak, "rss_after_load_bytes": rss_load,
-               "wall_s": round(time.perf_counter() - t0, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        with out.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        say(_progress_line(done_before + k + 1, total, cell, example, row))
+    at, total = progress
+    for example in examples:
+        held = lanes.claim(out, cell.key(example))
+        if held is None or cell.key(example) in {row_key(r) for r in lanes.read_rows(out)}:
+            if held:
+                held.release()
+            say(f"bench: {cell.label()} #{example}: run by another process, skipped")
+            continue
+        try:
+            sample = sample_for(cell, engine.tokenizer, example)
+            t0 = time.perf_counter()
+            result = run_example(engine, sample, cell.max_new_tokens)
+            peak = torch.cuda.max_memory_allocated() if cuda else machine.max_rss_bytes()
+            row = {**dataclasses.asdict(cell), "example": example, **common, **_sample_fields(sample, cell, example),
+                   **result, "peak_memory_bytes": peak, "rss_after_load_bytes": rss_load,
+                   "wall_s": round(time.perf_counter() - t0, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            lanes.append_row(out, json.dumps(row))
+        finally:
+            held.release()
+        at += 1
+        say(_progress_line(at, total, cell, example, row))
 
 
 def _sample_fields(sample: Sample, cell: Cell, example: int) -> dict:

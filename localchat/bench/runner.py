@@ -4,7 +4,8 @@ Each cell (task, length, policy, budget) runs in a fresh `python -m localchat.be
 its peak RSS is its own (on CUDA the peak is `torch.cuda.max_memory_allocated` per example);
 `in_process=True` runs the cells here instead (tests; memory figures are then the whole process's).
 Resumable: an example whose settings already have a row in OUT/results.jsonl is not run again, and a
-cell with nothing left is skipped. `full` ignores budgets (one cell set, budget null).
+cell with nothing left is skipped. Several processes may run the same command on one OUT at once (one per
+core): each example is claimed before it runs (`lanes`), and a cell is re-checked just before it starts. `full` ignores budgets (one cell set, budget null).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
 
+from localchat.bench import lanes
 from localchat.bench.cell import Cell, row_key, run_cell
+from localchat.bench.lanes import read_rows
 from localchat.bench.machine import cpu_model
 from localchat.bench.tasks import ANSWER_TOKENS, TASKS
 from localchat.engine.cache import POSITION_MODES
@@ -132,26 +135,16 @@ def plan(config: BenchConfig) -> list[Cell]:
     return cells
 
 
-def read_rows(path: Path) -> list[dict]:
-    """The rows of a results file (none when it does not exist); a torn line from an interrupted run is skipped."""
-    rows = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 def finished(path: Path) -> set[str]:
     """Keys of the examples that already have a row; a torn last line (a killed run) is cut off."""
-    if path.exists():
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with path.open("r+b") as f:
-                f.truncate(data.rfind(b"\n") + 1)
+    lanes.cut_torn_line(path)
     return {row_key(row) for row in read_rows(path)}
+
+
+def _left(path: Path, cell: Cell, examples: list[int]) -> list[int]:
+    """Of `examples`, those with no row yet and not being run by another process (a lane) now."""
+    done = {row_key(row) for row in read_rows(path)}
+    return [i for i in examples if cell.key(i) not in done and not lanes.busy(path, cell.key(i))]
 
 
 def _todo(config: BenchConfig, done: set[str]) -> list[tuple[Cell, list[int]]]:
@@ -214,6 +207,7 @@ def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
     at = total - sum(len(examples) for _, examples in todo)
     say(f"bench: {len(todo)} cells, {total} examples, {at} already in {path}")
     for cell, examples in todo:
+        examples = _left(path, cell, examples) if examples else []  # another lane may have run them meanwhile
         if not examples:
             continue
         if config.in_process:
