@@ -9,28 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from localchat.bench import lanes
 from localchat.bench.runner import RESULTS, BenchConfig, plan, run
-from tiny import save_tiny
+from test_bench import one_thread, tiny_dir  # noqa: F401 (fixtures: a tiny model, one torch thread)
 
 pytestmark = pytest.mark.skipif(lanes.fcntl is None, reason="claims need fcntl (POSIX)")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(save_tiny(tmp_path_factory.mktemp("tiny-lanes")))
-
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(threads)
 
 
 def _holder(results: Path, key: str) -> subprocess.Popen:
