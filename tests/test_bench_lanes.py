@@ -109,3 +109,25 @@ def test_two_processes_on_one_grid_run_every_example_once(tiny_dir, tmp_path):
     assert len(keys) == 12 and len(set(keys)) == 12  # 2 tasks x 2 policies x 3, none twice
     ran = [sum(line.startswith("bench [") for line in e.splitlines()) for e in errs]
     assert sum(ran) == 12  # each row was written by exactly one of the two
+
+
+def test_dry_run_counts_the_examples_other_lanes_are_running(tiny_dir, tmp_path):
+    from localchat.bench.runner import dry_run
+
+    config = _config(tiny_dir, tmp_path)
+    (cell,) = plan(config)
+    results = tmp_path / RESULTS
+    holders = [_holder(results, cell.key(i)) for i in (2, 3)]
+    try:
+        run(config, say=lambda _: None)  # rows for 0 and 1; 2 and 3 are "running" in the holders
+        results.write_text(results.read_text().splitlines(keepends=True)[0])  # example 1's row is lost
+        lines = dry_run(config)
+    finally:
+        for holder in holders:
+            holder.stdin.close()
+            holder.wait(timeout=30)
+    assert lines[-2].startswith("3 of 4 examples left") and lines[-1].startswith("2 of them running now")
+    minutes = float(lines[-2].split("about ")[1].split(" min")[0])  # tiny examples: well under an hour
+    assert f"about {minutes / 2:.0f} min with 2 lanes" in lines[-1]
+    assert len(list((tmp_path / lanes.CLAIMS).iterdir())) == 2  # no claim file was made to probe example 1
+    assert dry_run(config)[-1].startswith("3 of 4 examples left")  # the holders ended: no live count

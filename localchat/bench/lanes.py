@@ -108,6 +108,11 @@ def busy(results: Path, key: str) -> bool:
     return False
 
 
+def running(results: Path, keys: list[str]) -> int:
+    """How many of `keys` other live processes hold now; keys never claimed are not probed (no file is made)."""
+    return sum(1 for key in keys if _claim_path(results, key).exists() and busy(results, key))
+
+
 def read_rows(path: Path) -> list[dict]:
     """The rows of a results file (none when it does not exist); a torn line is skipped."""
     rows = []

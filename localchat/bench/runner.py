@@ -158,19 +158,21 @@ def dry_run(config: BenchConfig) -> list[str]:
     The estimate is the median `wall_s` of the closest rows already in OUT/results.jsonl, times the
     examples left: rows of this CPU before other machines' (timings differ several-fold between CPUs),
     then the same length, policy and task before the same length and any policy or task; cells with no
-    row at their length count as unknown.
+    row at their length count as unknown. Examples that other processes (lanes) hold now are counted, and the
+    estimate is also given per lane.
     """
     check(config)
     path = config.out / RESULTS
     rows = read_rows(path)
     todo = _todo(config, {row_key(r) for r in rows})
-    lines, seconds, unknown, left_total = [], 0.0, 0, 0
+    lines, seconds, unknown, left_total, live = [], 0.0, 0, 0, 0
     cpu = cpu_model()
     for cell, examples in todo:
         left = len(examples)
         if not left:
             continue
         left_total += left
+        live += lanes.running(path, [cell.key(i) for i in examples])
         per, source = _estimate(rows, cell, cpu)
         if per is None:
             unknown += left
@@ -178,10 +180,17 @@ def dry_run(config: BenchConfig) -> list[str]:
         else:
             seconds += per * left
             lines.append(f"{cell.label()}: {left} left, about {per * left / 60:.0f} min at {per:.1f} s each{source}")
-    eta = f"about {seconds / 3600:.1f} h" + (f" plus {unknown} examples with no timing yet" if unknown else "")
+    eta = _about(seconds) + (f" plus {unknown} examples with no timing yet" if unknown else "")
     lines.append(f"{left_total} of {len(todo) * config.n} examples left in {path}; {eta} for one process "
                  "(rows' median wall_s)")
+    if live:  # each lane runs one example at a time, so the examples held now count the lanes at work
+        lines.append(f"{live} of them running now in other processes (lanes): {_about(seconds / live)} "
+                     f"with {live} lanes")
     return lines
+
+
+def _about(seconds: float) -> str:
+    return f"about {seconds / 60:.0f} min" if seconds < 3600 else f"about {seconds / 3600:.1f} h"
 
 
 def _estimate(rows: list[dict], cell: Cell, cpu: str) -> tuple[float | None, str]:
