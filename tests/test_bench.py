@@ -327,6 +327,13 @@ def test_dry_run_estimate_prefers_this_cpu_then_the_same_policy():
     assert _estimate(rows[:1], cell, "slow") == (10.0, " (rows of other machines)")
     assert _estimate(rows, cell, "fast") == (10.0, "")
     assert _estimate(rows, Cell("passkey", 300, "h2o", 64, 20, 0, None, None, 64, "compact", 8), "fast") == (None, "")
+    # Another task's rows, scaled by how the two compare at other lengths (here 3x at 256 on one CPU, 2x on another)
+    rows += [{**row, "length": 256, "task": t, "wall_s": w, "hardware": {"cpu": c}}
+             for t, w, c in (("passkey", 6.0, "a"), ("niah_single", 2.0, "a"), ("passkey", 4.0, "b"),
+                             ("niah_single", 2.0, "b"), ("passkey", 99.0, "c"))]  # c: no other task, no ratio
+    rows += [{**row, "length": 256, "policy": "full", "task": "passkey", "wall_s": 1.0, "hardware": {"cpu": "a"}}]
+    assert _estimate(rows, cell, "slow") == (50.0 * 2.5, " (rows of other tasks x2.50, passkey's ratio to them at "
+                                                          "other lengths)")
 
 
 def test_sparse_prefill_rows_are_omnikvs_own(tiny_dir, tmp_path, capsys):

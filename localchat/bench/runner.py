@@ -157,8 +157,8 @@ def dry_run(config: BenchConfig) -> list[str]:
 
     The estimate is the median `wall_s` of the closest rows already in OUT/results.jsonl, times the
     examples left: rows of this CPU before other machines' (timings differ several-fold between CPUs),
-    then the same length, policy and task before the same length and any policy or task; cells with no
-    row at their length count as unknown. Examples that other processes (lanes) hold now are counted, and the
+    then the same length, policy and task before the same length and any policy or task (rows of other tasks
+    scaled by `_task_factor`); cells with no row at their length count as unknown. Examples that other processes (lanes) hold now are counted, and the
     estimate is also given per lane.
     """
     check(config)
@@ -202,8 +202,23 @@ def _estimate(rows: list[dict], cell: Cell, cpu: str) -> tuple[float | None, str
             same = [r["wall_s"] for r in pool if all(r.get(f) == getattr(cell, f) for f in match)]
             if same:
                 differ = others + machines
-                return median(same), f" (rows of {', '.join(differ)})" if differ else ""
+                factor = _task_factor(rows, cell) if match == ("policy",) else 1.0
+                if factor != 1.0:
+                    differ = [f"{differ[0]} x{factor:.2f}, {cell.task}'s ratio to them at other lengths", *differ[1:]]
+                return median(same) * factor, f" (rows of {', '.join(differ)})" if differ else ""
     return None, ""
+
+
+def _task_factor(rows: list[dict], cell: Cell) -> float:
+    """How much longer `cell.task` takes than the policy's other tasks (multiturn: its follow-ups), as the median
+    ratio over the other lengths (and CPUs) where rows of both exist; 1.0 with none."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for r in rows:
+        if r.get("wall_s") and r.get("policy") == cell.policy and r.get("length") != cell.length:
+            pair = groups.setdefault((r.get("length"), (r.get("hardware") or {}).get("cpu")), ([], []))
+            pair[r.get("task") == cell.task].append(r["wall_s"])
+    ratios = [median(same) / median(other) for other, same in groups.values() if same and other]
+    return median(ratios) if ratios else 1.0
 
 
 def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
