@@ -158,8 +158,8 @@ def dry_run(config: BenchConfig) -> list[str]:
     The estimate is the median `wall_s` of the closest rows already in OUT/results.jsonl, times the
     examples left: rows of this CPU before other machines' (timings differ several-fold between CPUs),
     then the same length, policy and task before the same length and any policy or task (rows of other tasks
-    scaled by `_task_factor`); cells with no row at their length count as unknown. Examples that other processes (lanes) hold now are counted, and the
-    estimate is also given per lane.
+    scaled by `_task_factor`); cells with no row at their length count as unknown. Examples that other processes
+    (lanes) hold now are counted, and the estimate is also given per lane.
     """
     check(config)
     path = config.out / RESULTS
