@@ -141,10 +141,10 @@ def test_policies_that_score_with_attention_rows_plan_for_them(capsys):
              ("streaming", "h2o", "roco", "snapkv", "corm")}
     extra = {name: plan.estimate.scores for name, plan in plans.items()}
     assert extra["streaming"] == 0 and "policy scores" not in dict(plans["streaming"].estimate.rows())
-    assert extra["h2o"] == 4 * 9 * 2048 * n + 2048 * n  # every query's fp32 row + the causal mask
+    assert extra["h2o"] == 4 * 9 * 2048 * n + 2048 * 2048  # every query's fp32 row + the causal mask of the chunk
     assert extra["roco"] == extra["h2o"] + 2 * 4 * 3 * 2048 * n  # + the group mean and its square
-    assert extra["snapkv"] == 4 * 9 * 32 * n + 32 * n  # the 32-query window only
-    assert extra["corm"] == 4 * 9 * 256 * n + 256 * n + 9 * 256 * n + 30 * 3 * 256 * n  # + CORM's messages
+    assert extra["snapkv"] == 4 * 9 * 32 * n + 32 * 32  # the 32-query window only
+    assert extra["corm"] == 4 * 9 * 256 * n + 256 * 256 + 9 * 256 * n + 30 * 3 * 256 * n  # + CORM's messages
     assert plans["h2o"].estimate.total == plans["streaming"].estimate.total + extra["h2o"]
     assert main(["plan", "--policy", "roco", "--model", LLAMA, "--memory-gb", "24", "--device", "cuda",
                  "--weights", "nf4", "--json"]) == 0

@@ -8,7 +8,7 @@ also computes fp32 softmax probabilities for the last `rows` query rows of the c
     query `[1, H_q, T, d]` (post-RoPE), key `[1, H_kv, n, d]` (un-repeated; this chunk's T units last)
     probs `[H_q, w, n]`, w = min(rows, T); row r (slot n - w + r) sees the keys at slots <= n - w + r
 
-One `[H_q, w, n]` fp32 buffer is materialised (softmax in place). Query head h belongs to KV head
+One `[H_q, w, n]` fp32 buffer is materialised (the fused softmax writes over its input). Query head h belongs to KV head
 h // (H_q // H_kv); `group_sum` reduces probabilities to `[H_kv, n]`.
 """
 
@@ -44,23 +44,21 @@ def window_probs(query: torch.Tensor, key: torch.Tensor, rows: int | None, scali
     h_q, t = query.shape[1], query.shape[2]
     h_kv, n, d = key.shape[1], key.shape[2], key.shape[3]
     w = t if rows is None else min(rows, t)
-    q = query[0, :, t - w :].float().reshape(h_kv, h_q // h_kv, w, d)
-    k = key[0].float()
-    logits = torch.einsum("hgwd,hnd->hgwn", q, k).reshape(h_q, w, n).mul_(scaling)
-    last_seen = torch.arange(n - w, n, device=key.device)[:, None]  # slot of each query row
-    future = torch.arange(n, device=key.device)[None, :] > last_seen  # [w, n]
-    logits.masked_fill_(future, float("-inf"))
+    q = (query[0, :, t - w :].float() * scaling).reshape(h_kv, h_q // h_kv * w, d)  # one bmm per KV head
+    logits = torch.bmm(q, key[0].float().transpose(1, 2)).reshape(h_q, w, n)
+    if w > 1:  # only the last w keys (this chunk's own) lie above some row's diagonal
+        future = torch.ones(w, w, dtype=torch.bool, device=key.device).triu_(1)
+        logits[:, :, n - w :].masked_fill_(future, float("-inf"))
     if not softmax:
         return logits
-    # softmax in place: one [H_q, w, n] buffer (every row sees at least its own key, so max is finite)
-    logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-    return logits.div_(logits.sum(dim=-1, keepdim=True))
+    # fused softmax written over its input: one [H_q, w, n] buffer (every row sees its own key: max finite)
+    return torch.softmax(logits, dim=-1, out=logits)
 
 
 def rows_bytes(q_heads: int, rows: int, n: int) -> int:
     """Peak bytes of `window_probs` for `rows` queries over `n` keys: the fp32 `[H_q, rows, n]` buffer and
-    the causal mask."""
-    return 4 * q_heads * rows * n + rows * n
+    the causal mask over the last `rows` keys `[rows, rows]`."""
+    return 4 * q_heads * rows * n + rows * rows
 
 
 def group_sum(probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
