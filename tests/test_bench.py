@@ -51,7 +51,7 @@ def test_runner_writes_rows_and_resumes(tiny_dir, tmp_path, capsys):
         assert r["prefill_s"] > 0 and r["prefill_tps"] > 0 and r["ttft_s"] >= r["prefill_s"]
         assert r["kv_bytes"] > 0 and r["kv_full_bytes"] >= r["kv_bytes"] and r["compression"] >= 1
         assert r["peak_memory_bytes"] > 0 and r["memory_mode"] == "in-process"
-        assert r["hardware"]["cores"] and {"torch", "transformers", "localchat"} <= set(r["versions"])
+        assert r["hardware"]["cores"] and {"torch", "transformers", "localchat", "commit"} <= set(r["versions"])
         assert r["command"].startswith("localchat bench --tasks passkey,niah_single")
     full = [r for r in rows if r["policy"] == "full"]
     locret = [r for r in rows if r["policy"] == "locret"]
@@ -170,6 +170,35 @@ def test_report_keeps_machines_apart(tmp_path):
     assert "| locret | 64 | 512 | x, 2 threads | 4 | 100 | 200 |" in md  # timings do not
     assert "| locret | 64 | 512 | slow, 1 thread | 2 | 100 | 50 |" in md
     assert "x, 2 threads (31 rows); slow, 1 thread (2 rows)" in md
+
+
+def test_rows_name_the_source_commit(tmp_path):
+    """A git checkout gives its commit, marked +dirty only for changes under localchat/; no checkout: None."""
+    import subprocess
+
+    from localchat.bench.machine import source_commit
+
+    repo = tmp_path / "repo"
+    (repo / "localchat").mkdir(parents=True)
+    (repo / "localchat" / "a.py").write_text("x = 1\n")
+    (repo / "notes.txt").write_text("a\n")
+    assert source_commit(repo) is None
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "one"]):
+        subprocess.run([*git, *args], check=True)
+    sha = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert source_commit(repo) == sha
+    (repo / "notes.txt").write_text("b\n")  # results and notes change while a grid runs: still clean
+    assert source_commit(repo) == sha
+    (repo / "localchat" / "a.py").write_text("x = 2\n")
+    assert source_commit(repo) == sha + "+dirty"
+    rows = _fake_rows()
+    for i, row in enumerate(rows[:5]):
+        row["versions"] = {**row["versions"], "commit": "abc" if i < 3 else "def+dirty"}
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = write_report(tmp_path, say=lambda line: None).read_text()
+    assert (f"source commits abc (3 rows), def+dirty (2 rows), {len(rows) - 5} rows from before commits were "
+            "recorded.") in md
 
 
 def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):

@@ -206,6 +206,20 @@ def memory_table(rows: list[dict]) -> list[str]:
                    "peak memory MiB", "after load MiB", "memory mode"], body)
 
 
+def _commits(rows: list[dict]) -> str:
+    """"; source commits a (N rows), b (M rows)" for rows that name the git commit they ran from, else ""."""
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        commit = (r.get("versions") or {}).get("commit")
+        if commit:
+            counts[commit] += 1
+    if not counts:
+        return ""
+    named = sum(counts.values())
+    rest = f", {len(rows) - named} rows from before commits were recorded" if named < len(rows) else ""
+    return "; source commits " + ", ".join(f"{c} ({n} rows)" for c, n in counts.items()) + rest
+
+
 def _setup_lines(rows: list[dict]) -> list[str]:
     first = rows[0]
     hw, ver = first.get("hardware", {}), first.get("versions", {})
@@ -217,7 +231,7 @@ def _setup_lines(rows: list[dict]) -> list[str]:
         f"Model: {', '.join(_ordered(r.get('model') for r in rows))}; device "
         f"{', '.join(map(str, _ordered(r.get('device') for r in rows)))}; {hw.get('cores')} cores; {machines}.",
         f"Versions: torch {ver.get('torch')}, transformers {ver.get('transformers')}, "
-        f"localchat {ver.get('localchat')}, Python {ver.get('python')}.",
+        f"localchat {ver.get('localchat')}, Python {ver.get('python')}{_commits(rows)}.",
         f"Settings: chunk {', '.join(map(str, _ordered(r.get('chunk') for r in rows)))}; positions "
         f"{', '.join(map(str, _ordered(r.get('positions') for r in rows)))}; heads "
         f"{', '.join(str(h) for h in _ordered(r.get('heads') for r in rows) if h) or '-'}; seed "
