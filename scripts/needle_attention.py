@@ -3,7 +3,7 @@
     python scripts/needle_attention.py --positions original --budget 512 --examples 3,5,6 [--length 7680]
 
 Runs bench passkey examples (the grid's samples: seed 0, N=20 depths) with LOCRET and the shipped heads, records
-every decode step's attention (fp32 softmax of the new token's query over the cache) and reports, at the step that
+each forward's last-query attention (fp32 softmax over the cache) and reports, at the decode step that
 reads " is" and must write the key's first digit: per layer, the largest share any query head puts on the units of
 the key's tokens (mean and max over layers), and for the layer and head with the most, that share and the share on
 position 0 (the attention sink). One line per example, after the answer.
@@ -42,17 +42,16 @@ def main() -> None:
         text = engine.render(prompt_messages(sample))
         ids = engine.encode(text)
         key = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
-        rows: list[tuple[int, torch.Tensor]] = []  # (layer, [H_q, n]) of every single-token forward
+        rows: list[tuple[int, torch.Tensor]] = []  # (layer, [H_q, n]): each forward's last query, every layer
         cache = engine.new_cache(len(ids), 6)
-        hook = StatsHook(engine.model, Collector(1, lambda i, p: rows.append((i, p[:, 0].clone())) if p.shape[1] == 1
-                                                 else None))
+        hook = StatsHook(engine.model, Collector(1, lambda i, p: rows.append((i, p[:, 0].clone()))))
         try:
             done = next(e for e in engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=6))
                         if isinstance(e, Done))
         finally:
             hook.close()
         layers = len(cache.layers)
-        decode = [rows[i:i + layers] for i in range(len(rows) - 5 * layers, len(rows), layers)]
+        decode = [rows[i:i + layers] for i in range(len(rows) - 5 * layers, len(rows), layers)]  # 5 decode forwards
         best = (-1.0, 0, 0, 0.0)  # (share on the key, layer, head, share on position 0)
         per_layer = []
         for layer, probs in decode[READ_STEP]:
