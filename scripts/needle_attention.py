@@ -21,6 +21,7 @@ from localchat.engine.events import Done
 from localchat.engine.policies.attention_stats import Collector, StatsHook
 from localchat.engine.sampling import GenerationSettings
 
+NEW_TOKENS = 6  # "The pass key is" and the first digit: the prompt's last forward writes one, decode forwards the rest
 READ_STEP = 3  # decode forwards 0-3 read "The", " pass", " key", " is": forward 3 picks the first digit
 
 
@@ -32,7 +33,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=7680)
     args = ap.parse_args()
     cell = Cell(task="passkey", length=args.length, policy="locret", budget=args.budget, n=20, seed=0, model_spec=None,
-                heads=None, chunk=512, positions=args.positions, max_new_tokens=6)
+                heads=None, chunk=512, positions=args.positions, max_new_tokens=NEW_TOKENS)
     engine = load_engine(cell)
     use_policy(engine, cell)
     config = engine.model.config
@@ -43,15 +44,16 @@ def main() -> None:
         ids = engine.encode(text)
         key = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
         rows: list[tuple[int, torch.Tensor]] = []  # (layer, [H_q, n]): each forward's last query, every layer
-        cache = engine.new_cache(len(ids), 6)
+        cache = engine.new_cache(len(ids), NEW_TOKENS)
         hook = StatsHook(engine.model, Collector(1, lambda i, p: rows.append((i, p[:, 0].clone()))))
         try:
-            done = next(e for e in engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=6))
+            done = next(e for e in engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=NEW_TOKENS))
                         if isinstance(e, Done))
         finally:
             hook.close()
         layers = len(cache.layers)
-        decode = [rows[i:i + layers] for i in range(len(rows) - 5 * layers, len(rows), layers)]  # 5 decode forwards
+        steps = NEW_TOKENS - 1  # decode forwards, the last ones recorded
+        decode = [rows[i:i + layers] for i in range(len(rows) - steps * layers, len(rows), layers)]
         best = (-1.0, 0, 0, 0.0)  # (share on the key, layer, head, share on position 0)
         per_layer = []
         for layer, probs in decode[READ_STEP]:
