@@ -1,27 +1,34 @@
-"""LOCRET at original positions: what n_loc, n_s and the chunk change on the grid's passkey examples at 7,680 tokens.
+"""LOCRET at original positions: what n_loc, n_s and the chunk change on the grid's examples at 7,680 tokens.
 
-    python scripts/positions_sweep.py BUDGET EXAMPLES VARIANT [VARIANT ...] > OUT.jsonl
-    # e.g. 512 5,6,7 '{"local": 512}' '{"stabilizers": 32}' '{"chunk": 1024}'
+    python scripts/positions_sweep.py [--task T] BUDGET EXAMPLES VARIANT [VARIANT ...] > OUT.jsonl
+    # e.g. 512 5,6,7 '{"local": 512}' '{"stabilizers": 32}' '{"chunk": 1024}'   (--task: passkey by default)
 
 A VARIANT is a JSON object over `local` (n_loc, default 96), `stabilizers` (n_s, default the bench's) and `chunk`
-(default 512); positions stay `original`. The examples are those of `localchat bench --tasks passkey --lengths 7680
+(default 512); positions stay `original`. The examples are those of `localchat bench --tasks T --lengths 7680
 --policies locret --budgets BUDGET -n 20 --positions original` (seed 0, the shipped heads), which has no n_loc flag.
 One JSON line per example and variant: the settings, correct, answer_kept, the output and wall_s.
 """
 
+import argparse
 import json
-import sys
 import time
 
 from localchat.bench.cell import Cell, load_engine, run_example, sample_for, use_policy
+from localchat.bench.tasks import ANSWER_TOKENS
 
 
 def main() -> None:
-    budget = int(sys.argv[1])
-    examples = [int(x) for x in sys.argv[2].split(",")]
-    variants = [json.loads(v) for v in sys.argv[3:]]
-    cell = Cell(task="passkey", length=7680, policy="locret", budget=budget, n=20, seed=0, model_spec=None,
-                heads=None, chunk=512, positions="original", max_new_tokens=24)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--task", default="passkey")
+    ap.add_argument("budget", type=int)
+    ap.add_argument("examples", help="comma-separated example indices (0-19)")
+    ap.add_argument("variants", nargs="+", help='JSON objects, e.g. \'{"local": 512}\'')
+    args = ap.parse_args()
+    budget = args.budget
+    examples = [int(x) for x in args.examples.split(",")]
+    variants = [json.loads(v) for v in args.variants]
+    cell = Cell(task=args.task, length=7680, policy="locret", budget=budget, n=20, seed=0, model_spec=None,
+                heads=None, chunk=512, positions="original", max_new_tokens=ANSWER_TOKENS[args.task])
     engine = load_engine(cell)
     for variant in variants:
         use_policy(engine, cell)  # the bench's policy for this cell, then the variant's changes
@@ -33,10 +40,10 @@ def main() -> None:
             sample = sample_for(cell, engine.tokenizer, ex)
             t = time.time()
             r = run_example(engine, sample, cell.max_new_tokens)
-            row = {"budget": budget, "local": policy.local, "stabilizers": policy.stabilizers, "chunk": engine.chunk,
-                   "positions": engine.positions, "example": ex, "depth": sample.depth, "expected": sample.answers,
+            row = {"task": cell.task, "budget": budget, "local": policy.local, "stabilizers": policy.stabilizers,
+                   "chunk": engine.chunk, "positions": engine.positions, "example": ex, "depth": sample.depth, "expected": sample.answers,
                    "correct": r["correct"], "answer_kept": r["answer_kept"], "output": r["output"],
-                   "wall_s": round(time.time() - t, 1)}
+                   "max_new_tokens": cell.max_new_tokens, "wall_s": round(time.time() - t, 1)}
             print(json.dumps(row), flush=True)
 
 
