@@ -24,10 +24,9 @@ def main() -> None:
     ap.add_argument("examples", help="comma-separated example indices (0-19)")
     ap.add_argument("variants", nargs="+", help='JSON objects, e.g. \'{"local": 512}\'')
     args = ap.parse_args()
-    budget = args.budget
     examples = [int(x) for x in args.examples.split(",")]
     variants = [json.loads(v) for v in args.variants]
-    cell = Cell(task=args.task, length=7680, policy="locret", budget=budget, n=20, seed=0, model_spec=None,
+    cell = Cell(task=args.task, length=7680, policy="locret", budget=args.budget, n=20, seed=0, model_spec=None,
                 heads=None, chunk=512, positions="original", max_new_tokens=ANSWER_TOKENS[args.task])
     engine = load_engine(cell)
     for variant in variants:
@@ -40,10 +39,10 @@ def main() -> None:
             sample = sample_for(cell, engine.tokenizer, ex)
             t = time.time()
             r = run_example(engine, sample, cell.max_new_tokens)
-            row = {"task": cell.task, "budget": budget, "local": policy.local, "stabilizers": policy.stabilizers,
-                   "chunk": engine.chunk, "positions": engine.positions, "example": ex, "depth": sample.depth, "expected": sample.answers,
-                   "correct": r["correct"], "answer_kept": r["answer_kept"], "output": r["output"],
-                   "max_new_tokens": cell.max_new_tokens, "wall_s": round(time.time() - t, 1)}
+            row = {"task": cell.task, "budget": cell.budget, "local": policy.local, "stabilizers": policy.stabilizers,
+                   "chunk": engine.chunk, "positions": engine.positions, "example": ex, "depth": sample.depth,
+                   "expected": sample.answers, "correct": r["correct"], "answer_kept": r["answer_kept"],
+                   "output": r["output"], "max_new_tokens": cell.max_new_tokens, "wall_s": round(time.time() - t, 1)}
             print(json.dumps(row), flush=True)
 
 
