@@ -1,20 +1,46 @@
-"""LOCRET at original positions: what n_loc, n_s and the chunk change on the grid's examples at 7,680 tokens.
+"""LOCRET at original positions: what n_loc, n_s, the chunk, a sink and an oracle change on the grid's examples at 7,680 tokens.
 
     python scripts/positions_sweep.py [--task T] BUDGET EXAMPLES VARIANT [VARIANT ...] > OUT.jsonl
     # e.g. 512 5,6,7 '{"local": 512}' '{"stabilizers": 32}' '{"chunk": 1024}'   (--task: passkey by default)
 
-A VARIANT is a JSON object over `local` (n_loc, default 96), `stabilizers` (n_s, default the bench's) and `chunk`
-(default 512); positions stay `original`. The examples are those of `localchat bench --tasks T --lengths 7680
---policies locret --budgets BUDGET -n 20 --positions original` (seed 0, the shipped heads), which has no n_loc flag.
-One JSON line per example and variant: the settings, correct, answer_kept, the output and wall_s.
+A VARIANT is a JSON object over `local` (n_loc, default 96), `stabilizers` (n_s, default the bench's), `chunk`
+(default 512), `protect` (an oracle, off by default: the answer's prompt tokens and `protect` tokens either
+side are never evicted, in every layer and KV head) and `sink` (the prompt's first `sink` tokens are never
+evicted; off by default); positions stay `original`. The examples are those of `localchat bench --tasks T
+--lengths 7680 --policies locret --budgets BUDGET -n 20 --positions original` (seed 0, the shipped heads),
+which has no n_loc flag. One JSON line per example and variant: the settings, correct, answer_kept, the output and wall_s.
 """
 
 import argparse
 import json
 import time
 
-from localchat.bench.cell import Cell, load_engine, run_example, sample_for, use_policy
-from localchat.bench.tasks import ANSWER_TOKENS
+import torch
+
+from localchat.bench.cell import Cell, answer_tokens, load_engine, run_example, sample_for, use_policy
+from localchat.bench.tasks import ANSWER_TOKENS, prompt_messages
+from localchat.engine.policies.base import PROTECT
+
+
+def protect(engine, sample, span: int | None, sink: int) -> int | None:
+    """The policy's priority never evicts the prompt's first `sink` tokens nor, when `span` is not None (an
+    oracle), the answer's prompt tokens and `span` tokens either side. Returns how many answer-side tokens
+    that protects (None: no oracle; 0: the answer could not be located)."""
+    text = engine.render(prompt_messages(sample))
+    ids = engine.encode(text)
+    where = answer_tokens(engine.tokenizer, text, ids, sample.answers) if span is not None else []
+    near = {j for i in where for j in range(i - span, i + span + 1) if 0 <= j < len(ids)}
+    wanted = torch.tensor(sorted(near | set(range(min(sink, len(ids))))), dtype=torch.long)
+    policy = engine.policy
+    base = type(policy).priority
+
+    def priority(layer, layer_idx, last_chunk):
+        prio = base(policy, layer, layer_idx, last_chunk)
+        prio[torch.isin(layer.positions, wanted.to(layer.positions.device))] = PROTECT
+        return prio
+
+    policy.priority = priority
+    return None if span is None else len(near)
 
 
 def main() -> None:
@@ -37,10 +63,12 @@ def main() -> None:
         engine.chunk = variant.get("chunk", cell.chunk)
         for ex in examples:
             sample = sample_for(cell, engine.tokenizer, ex)
+            protected = protect(engine, sample, variant.get("protect"), variant.get("sink", 0))
             t = time.time()
             r = run_example(engine, sample, cell.max_new_tokens)
             row = {"task": cell.task, "budget": cell.budget, "local": policy.local, "stabilizers": policy.stabilizers,
-                   "chunk": engine.chunk, "positions": engine.positions, "example": ex, "depth": sample.depth,
+                   "chunk": engine.chunk, "positions": engine.positions, "protected": protected,
+                   "sink": variant.get("sink", 0), "example": ex, "depth": sample.depth,
                    "expected": sample.answers, "correct": r["correct"], "answer_kept": r["answer_kept"],
                    "output": r["output"], "max_new_tokens": cell.max_new_tokens, "wall_s": round(time.time() - t, 1)}
             print(json.dumps(row), flush=True)
