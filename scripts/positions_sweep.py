@@ -1,4 +1,4 @@
-"""LOCRET at original positions: what n_loc, n_s, the chunk, a sink and an oracle change on the grid's examples at 7,680 tokens.
+"""LOCRET at original positions: what n_loc, n_s, the chunk, a sink and an oracle change at 7,680 tokens.
 
     python scripts/positions_sweep.py [--task T] BUDGET EXAMPLES VARIANT [VARIANT ...] > OUT.jsonl
     # e.g. 512 5,6,7 '{"local": 512}' '{"stabilizers": 32}' '{"chunk": 1024}'   (--task: passkey by default)
