@@ -19,24 +19,29 @@ import torch
 
 from localchat.bench.cell import Cell, answer_tokens, load_engine, run_example, sample_for, use_policy
 from localchat.bench.tasks import ANSWER_TOKENS, prompt_messages
-from localchat.engine.policies.base import PROTECT
+from localchat.engine.policies.base import PROTECT, protect_first
 
 
 def protect(engine, sample, span: int | None, sink: int) -> int | None:
     """The policy's priority never evicts the prompt's first `sink` tokens nor, when `span` is not None (an
     oracle), the answer's prompt tokens and `span` tokens either side. Returns how many answer-side tokens
-    that protects (None: no oracle; 0: the answer could not be located)."""
-    text = engine.render(prompt_messages(sample))
-    ids = engine.encode(text)
-    where = answer_tokens(engine.tokenizer, text, ids, sample.answers) if span is not None else []
-    near = {j for i in where for j in range(i - span, i + span + 1) if 0 <= j < len(ids)}
-    wanted = torch.tensor(sorted(near | set(range(min(sink, len(ids))))), dtype=torch.long)
+    that protects (None: no oracle; 0: the answer could not be located). Protecting nothing changes nothing."""
+    if span is None and sink <= 0:
+        return None
+    near: set[int] = set()
+    if span is not None:
+        text = engine.render(prompt_messages(sample))
+        ids = engine.encode(text)
+        where = answer_tokens(engine.tokenizer, text, ids, sample.answers)
+        near = {j for i in where for j in range(i - span, i + span + 1) if 0 <= j < len(ids)}
+    wanted = torch.tensor(sorted(near), dtype=torch.long)
     policy = engine.policy
     base = type(policy).priority
 
     def priority(layer, layer_idx, last_chunk):
-        prio = base(policy, layer, layer_idx, last_chunk)
-        prio[torch.isin(layer.positions, wanted.to(layer.positions.device))] = PROTECT
+        prio = protect_first(base(policy, layer, layer_idx, last_chunk), layer.positions, sink)
+        if len(wanted):
+            prio[torch.isin(layer.positions, wanted.to(layer.positions.device))] = PROTECT
         return prio
 
     policy.priority = priority
