@@ -13,7 +13,7 @@ from localchat.engine.engine import Engine
 from localchat.engine.events import Done
 from localchat.engine.policies import H2O, SirLLM, SnapKV, make_policy
 from localchat.engine.policies.attention_stats import Collector, StatsHook
-from localchat.engine.prefill import prefill
+from localchat.engine.prefill import cache_kwarg, prefill
 from localchat.engine.sampling import GenerationSettings
 from tiny import tiny_llama
 
@@ -77,10 +77,10 @@ def test_window_probabilities_match_brute_force(model, eager_attn):
     cache = KVCache(2)
     ids = _ids()
     with torch.inference_mode():
-        model(input_ids=ids[:, :FIRST], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :FIRST], use_cache=True, **{cache_kwarg(model): cache})
         hook = StatsHook(model, Collector(8, lambda i, p: seen.__setitem__(i, p)))
         try:
-            model(input_ids=ids[:, FIRST:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, FIRST:], use_cache=True, **{cache_kwarg(model): cache})
         finally:
             hook.close()
     assert model.config._attn_implementation == "sdpa"

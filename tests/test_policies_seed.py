@@ -119,7 +119,7 @@ def _last_queries(model, ids):
     for i, m in enumerate(mods):
         q = grabbed[i].view(1, q_heads, 1, d)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        result.append((q[0, :, 0], out.past_key_values.layers[i].keys[0], m.scaling))
+        result.append((q[0, :, 0], (getattr(out, "cache", None) or out.past_key_values).layers[i].keys[0], m.scaling))
     return result
 
 

@@ -4,7 +4,7 @@
    prefill: `full` (original positions, our in-place cache) vs `locret` (compact positions); prefill
    tokens/s, decode tokens/s over `decode_tokens` greedy tokens (EOS ignored), KV bytes held.
 2. An extra, labelled row: `full` through transformers' stock DynamicCache, the HF default path
-   (`model(..., past_key_values=DynamicCache(config=model.config))`, the same chunks, then one token
+   (`model(..., cache=DynamicCache(config=model.config))`, the same chunks, then one token
    per step, greedy): earlier prototypes compared against it.
 3. A floor row: `full` decoding after a 64-token prompt, i.e. almost only the weights are read per
    step. No cache policy can decode faster than this, so floor / full bounds any policy's decode
@@ -33,6 +33,7 @@ from localchat.bench.cell import Cell, load_engine, use_policy
 from localchat.bench.runner import MAX_LENGTH, MIN_LENGTH, default_chunk
 from localchat.bench.tasks import niah_single, prompt_messages
 from localchat.engine.events import Done, Error
+from localchat.engine.prefill import cache_kwarg
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 
@@ -114,9 +115,10 @@ def hf_dynamic_cache(model, ids: list[int], chunk: int, new: int) -> Done:
     device = next(model.parameters()).device
     prompt = torch.tensor([ids], device=device)
     cache = DynamicCache(config=model.config)
+    arg = {cache_kwarg(model): cache}
     t0 = time.perf_counter()
     for start in range(0, prompt.shape[-1], chunk):
-        out = model(input_ids=prompt[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt[:, start:start + chunk], use_cache=True, logits_to_keep=1, **arg)
     _sync(device)
     prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -124,7 +126,7 @@ def hf_dynamic_cache(model, ids: list[int], chunk: int, new: int) -> Done:
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         if i == new - 1:
             break
-        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        out = model(input_ids=tok, use_cache=True, **arg)
     _sync(device)
     decode_s = time.perf_counter() - t1
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)

@@ -38,6 +38,7 @@ class KVLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
+        self.dtype = key_states.dtype  # transformers >= 5.24 no longer records it
         self.n = 0
 
     def _ensure(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:

@@ -9,6 +9,8 @@ position's logits are computed (`logits_to_keep=1`).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -36,13 +38,23 @@ class ChunkReport:
     kept: int  # units per KV head per layer after this step
 
 
+def cache_kwarg(model) -> str:
+    """The forward argument that takes the cache: `cache` from transformers 5.24, `past_key_values` before."""
+    return _cache_kwarg(type(model))
+
+
+@functools.cache
+def _cache_kwarg(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
 def forward(model, cache: KVCache, ids: torch.Tensor, true_first: int) -> torch.Tensor:
     """Run `ids` (`[1, T]`) whose true positions start at `true_first`; return last logits `[vocab]`."""
     t = ids.shape[-1]
     cache.set_pending_positions(torch.arange(true_first, true_first + t, device=ids.device))
     first = cache.next_position(true_first)
     position_ids = torch.arange(first, first + t, device=ids.device).unsqueeze(0)
-    out = model(input_ids=ids, past_key_values=cache, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     return out.logits[0, -1]
 
 
