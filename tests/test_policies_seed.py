@@ -17,7 +17,7 @@ from localchat.engine.policies import omnikv
 from localchat.engine.policies.omnikv import filter_layers, layer_roles, select_tokens, uniform_select
 from localchat.engine.policies.roco import Stats, group_mean, roco_priority, seen_counts
 from localchat.engine.policies.sagekv import select_middle, split
-from localchat.engine.prefill import evict_while_decoding, forward, prefill
+from localchat.engine.prefill import cache_kwarg, evict_while_decoding, forward, prefill
 from localchat.engine.sampling import GenerationSettings
 from localchat.session import Session
 from tiny import tiny_llama
@@ -119,7 +119,7 @@ def _last_queries(model, ids):
     for i, m in enumerate(mods):
         q = grabbed[i].view(1, q_heads, 1, d)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        result.append((q[0, :, 0], (getattr(out, "cache", None) or out.past_key_values).layers[i].keys[0], m.scaling))
+        result.append((q[0, :, 0], getattr(out, cache_kwarg(model)).layers[i].keys[0], m.scaling))
     return result
 
 

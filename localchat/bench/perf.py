@@ -4,8 +4,8 @@
    prefill: `full` (original positions, our in-place cache) vs `locret` (compact positions); prefill
    tokens/s, decode tokens/s over `decode_tokens` greedy tokens (EOS ignored), KV bytes held.
 2. An extra, labelled row: `full` through transformers' stock DynamicCache, the HF default path
-   (`model(..., cache=DynamicCache(config=model.config))`, the same chunks, then one token
-   per step, greedy): earlier prototypes compared against it.
+   (`model(..., past_key_values=DynamicCache(config=model.config))`, `cache=` from transformers 5.24;
+   the same chunks, then one token per step, greedy): earlier prototypes compared against it.
 3. A floor row: `full` decoding after a 64-token prompt, i.e. almost only the weights are read per
    step. No cache policy can decode faster than this, so floor / full bounds any policy's decode
    speedup at `length` on this machine. Next to it, the bound a byte count predicts for a memory-bound
