@@ -4,9 +4,10 @@
 #   bash scripts/grid_lanes.sh [LANES] [LOG_DIR]   # default: one lane per core, logs in /tmp/grid-lanes
 #   pkill -f "localchat bench --tasks"             # stop every lane (an example in flight is lost, nothing else)
 #
-# Each lane runs every step in order with one torch thread and returns at once (setsid). Lanes claim each example
-# before running it (localchat/bench/lanes.py), so they split the cells between them and none is run twice; a
-# finished step costs a lane only the reading of the results file.
+# Each lane runs every step in order (step 7's compact 4K/7,680 cells first, before step 6: they settle the most
+# targets per hour) with one torch thread and returns at once (setsid). Lanes claim each example before running it
+# (localchat/bench/lanes.py), so they split the cells between them and none is run twice; a finished step costs a
+# lane only the reading of the results file.
 
 LANES=${1:-$(nproc)}
 LOGS=${2:-/tmp/grid-lanes}
@@ -19,8 +20,8 @@ T3=passkey,niah_single,niah_multikey
 STEPS=(
     "--tasks $T3,multiturn --lengths 7680 --policies $P --budgets 256,512,1024"                        # 4
     "--tasks $T3,multiturn --lengths 32k --policies locret,streaming --budgets 256,512,1024"          # 5
+    "--tasks $T3 --lengths 4k,7680 --policies locret --heads random --budgets 256,512,1024"           # 7 (first)
     "--tasks $T3 --lengths 4k,7680 --policies $E --budgets 256,512,1024 --positions original"         # 6
-    "--tasks $T3 --lengths 4k,7680 --policies locret --heads random --budgets 256,512,1024"           # 7
     "--tasks $T3 --lengths 4k,7680 --policies locret --heads random --budgets 256,512,1024 --positions original"
     "--tasks $T3 --lengths 32k --policies locret --heads random --budgets 256,512,1024"
     "--tasks $T3 --lengths 32k --policies h2o,snapkv,sirllm,random --budgets 256,512,1024"           # 8
