@@ -394,3 +394,25 @@ def test_side_by_side_ranks_policies_per_length_and_budget(tmp_path):
     table = md.split("512 tokens, budget 128:")[1].split("## Accuracy")[0]
     assert "| full (no budget) | 0.50 (2) | 0.50 (2) | 0.50 |" in table  # the error row is left out
     assert "streaming" not in table
+
+
+def test_report_plot_legend_stays_beside_the_plot():
+    """A grid has dozens of series: the legend goes to the right of the axes, never over the lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from localchat.bench.report import _legend_right
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i in range(45):
+        ax.plot([256, 512, 1024], [i / 45] * 3, label=f"policy{i} 7680")
+    _legend_right(fig, ax)
+    fig.tight_layout()
+    fig.canvas.draw()
+    legend, plot = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= plot.x1  # wholly to the right of the axes
+    assert len(ax.get_legend().get_texts()) == 45 and legend.y0 >= 0  # every entry, none below the image
+    assert plot.height > 0.5 * fig.bbox.height  # the figure grew with the legend; the axes were not squeezed
+    plt.close(fig)

@@ -299,7 +299,7 @@ def _accuracy_plot(plt, rows: list[dict], task: str, directory: Path) -> Path:
         ax.set_xscale("log", base=2)
     ax.set(title=f"{task}: accuracy vs budget", xlabel="budget (units per KV head per layer)", ylabel="accuracy",
            ylim=(-0.05, 1.05))
-    ax.legend(fontsize=7)
+    _legend_right(fig, ax)
     safe = re.sub(r"[^\w.-]+", "-", task).strip("-")  # multiturn[9 turns] -> multiturn-9-turns
     return _save(plt, fig, directory / f"accuracy-{safe}.png")
 
@@ -319,7 +319,7 @@ def _time_memory_plot(plt, rows: list[dict], directory: Path) -> Path:
     for ax, title in zip(axes, ("prefill ms per prompt token", "decode ms per token", "peak memory MiB")):
         ax.set(title=title, xlabel="document tokens")
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
+    _legend_right(fig, axes[-1])  # one legend for the three panels: they share their series
     return _save(plt, fig, directory / "time-memory.png")
 
 
@@ -336,7 +336,7 @@ def _prefill_plot(plt, rows: list[dict], directory: Path) -> Path:
                label=f"{length} tokens")
     ax.set_xticks([i + width * (len(lengths) - 1) / 2 for i in range(len(labels))], labels, rotation=20, fontsize=8)
     ax.set(title="prefill tokens/s per policy", ylabel="tokens/s")
-    ax.legend(fontsize=7)
+    _legend_right(fig, ax)
     return _save(plt, fig, directory / "prefill-tps.png")
 
 
@@ -345,8 +345,28 @@ def _label(policy: str, budget, where: str, several: bool) -> str:
     return f"{label} [{where.split(',')[0][:12]}]" if several else label
 
 
+LEGEND_ROWS = 30  # entries per legend column; a big grid has dozens of series
+
+
+def _legend_right(fig, ax) -> None:
+    """The legend beside the plot, in as many columns as it needs, so it never hides the lines."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return
+    columns = -(-len(handles) // LEGEND_ROWS)
+    rows = min(len(handles), LEGEND_ROWS)
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width, max(height, 0.8 + 0.16 * rows))
+    legend = ax.legend(handles, labels, fontsize=7, ncol=columns, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                       borderaxespad=0.0)
+    legend.set_in_layout(False)  # tight_layout sizes the plots alone; _save widens the image to fit it
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    for ax in fig.axes:  # now the saved image widens to take in the legends
+        if ax.get_legend() is not None:
+            ax.get_legend().set_in_layout(True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
