@@ -396,14 +396,14 @@ def test_side_by_side_ranks_policies_per_length_and_budget(tmp_path):
     assert "streaming" not in table
 
 
-def test_report_plot_legend_stays_beside_the_plot():
+def test_report_plot_legend_stays_beside_the_plot(tmp_path):
     """A grid has dozens of series: the legend goes to the right of the axes, never over the lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from localchat.bench.report import _legend_right
+    from localchat.bench.report import _legend_right, _save
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for i in range(45):
@@ -415,4 +415,6 @@ def test_report_plot_legend_stays_beside_the_plot():
     assert legend.x0 >= plot.x1  # wholly to the right of the axes
     assert len(ax.get_legend().get_texts()) == 45 and legend.y0 >= 0  # every entry, none below the image
     assert plot.height > 0.5 * fig.bbox.height  # the figure grew with the legend; the axes were not squeezed
-    plt.close(fig)
+    width = fig.bbox.width
+    image = plt.imread(_save(plt, fig, tmp_path / "plot.png"))
+    assert image.shape[1] > width + legend.width * 0.9  # the saved image widened to take in the legend
