@@ -418,3 +418,35 @@ def test_report_plot_legend_stays_beside_the_plot(tmp_path):
     width = fig.bbox.width
     image = plt.imread(_save(plt, fig, tmp_path / "plot.png"))
     assert image.shape[1] > width + legend.width * 0.9  # the saved image widened to take in the legend
+
+
+def test_report_legend_names_each_machine_apart(tmp_path):
+    """The grid's 1- and 2-thread rows on one Xeon once shared a legend label (the CPU name cut to 12 chars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from localchat.bench.report import _time_memory_plot, machine, short_machine
+
+    rows = []
+    for cpu, threads in (("Intel(R) Xeon(R) Processor", 1), ("Intel(R) Xeon(R) Processor", 2), ("AMD EPYC", 1)):
+        for row in _fake_rows():
+            rows.append({**row, "hardware": {**row["hardware"], "cpu": cpu, "torch_threads": threads}})
+    for row in rows:
+        row["machine"] = machine(row)
+    kept = []
+
+    class KeepOpen:  # plt, except the figure stays open to be read
+        subplots = staticmethod(plt.subplots)
+
+        @staticmethod
+        def close(fig):
+            kept.append(fig)
+
+    _time_memory_plot(KeepOpen, rows, tmp_path)
+    fig = kept[0]
+    labels = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
+    assert len(labels) == len(set(labels)) == 3 * 3  # (full, locret 64, locret 128) x three machines
+    assert "locret b=64 [Xeon 1t]" in labels and "locret b=64 [Xeon 2t]" in labels and "full [EPYC 1t]" in labels
+    assert short_machine("NVIDIA H100 80GB HBM3 (AMD EPYC 9454 48-Core Processor, 16 threads)") == "H100 80GB HBM3"

@@ -342,7 +342,19 @@ def _prefill_plot(plt, rows: list[dict], directory: Path) -> Path:
 
 def _label(policy: str, budget, where: str, several: bool) -> str:
     label = policy if budget is None else f"{policy} b={budget}"
-    return f"{label} [{where.split(',')[0][:12]}]" if several else label
+    return f"{label} [{short_machine(where)}]" if several else label
+
+
+def short_machine(where: str) -> str:
+    """A legend-sized name that still tells machines apart: 'Intel(R) Xeon(R) Processor, 2 threads' -> 'Xeon 2t'
+    (one CPU at 1 and 2 threads is two machines); a GPU row is named by its GPU: 'NVIDIA H100 80GB HBM3 (...)'
+    -> 'H100 80GB HBM3'."""
+    if where.endswith(")") and " (" in where:
+        return where.partition(" (")[0].replace("NVIDIA ", "")[:16]
+    cpu, _, threads = where.rpartition(", ")
+    words = [w for w in re.sub(r"\((R|TM)\)", "", cpu).split() if w not in {"Intel", "AMD", "Processor", "CPU"}]
+    count = threads.split()[0] if threads[:1].isdigit() else "?"
+    return f"{' '.join(words)[:16] or '?'} {count}t"
 
 
 LEGEND_ROWS = 30  # entries per legend column; a big grid has dozens of series
