@@ -449,4 +449,5 @@ def test_report_legend_names_each_machine_apart(tmp_path):
     labels = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
     assert len(labels) == len(set(labels)) == 3 * 3  # (full, locret 64, locret 128) x three machines
     assert "locret b=64 [Xeon 1t]" in labels and "locret b=64 [Xeon 2t]" in labels and "full [EPYC 1t]" in labels
-    assert short_machine("NVIDIA H100 80GB HBM3 (AMD EPYC 9454 48-Core Processor, 16 threads)") == "H100 80GB HBM3"
+    gpu = {"cpu": "AMD EPYC 9454 48-Core Processor", "torch_threads": 16, "gpu": "NVIDIA H100 80GB HBM3"}
+    assert short_machine({"hardware": gpu}) == "H100 80GB HBM3"

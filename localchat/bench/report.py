@@ -307,10 +307,10 @@ def _accuracy_plot(plt, rows: list[dict], task: str, directory: Path) -> Path:
 def _time_memory_plot(plt, rows: list[dict], directory: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     series = _group(_ok(rows), "policy", "budget", "machine")
-    for (policy, budget, where), group in series.items():
+    for (policy, budget, _), group in series.items():
         by_length = sorted(_group(group, "length").items())
         xs = [length for (length,), _ in by_length]
-        label = _label(policy, budget, where, _machine_column(rows))
+        label = _label(policy, budget, group[0], _machine_column(rows))
         axes[0].plot(xs, [1000 * mean(r["prefill_s"] / r["prompt_tokens"] for r in g) for _, g in by_length],
                      marker="o", label=label)
         axes[1].plot(xs, [1000 * mean(r["decode_s"] / max(r["new_tokens"], 1) for r in g) for _, g in by_length],
@@ -327,11 +327,11 @@ def _prefill_plot(plt, rows: list[dict], directory: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     groups, several = _setting_rows(rows), _machine_column(rows)
     lengths = _ordered(n for (_, _, n, _), _ in groups)
-    labels = list(dict.fromkeys(_label(p, b, m, several) for (p, b, _, m), _ in groups))
+    labels = list(dict.fromkeys(_label(p, b, g[0], several) for (p, b, _, _), g in groups))
     width = 0.8 / max(len(lengths), 1)
     for j, length in enumerate(lengths):
-        values = {_label(p, b, m, several): mean(r["prefill_tps"] for r in g)
-                  for (p, b, n, m), g in groups if n == length}
+        values = {_label(p, b, g[0], several): mean(r["prefill_tps"] for r in g)
+                  for (p, b, n, _), g in groups if n == length}
         ax.bar([i + j * width for i in range(len(labels))], [values.get(label, 0) for label in labels], width,
                label=f"{length} tokens")
     ax.set_xticks([i + width * (len(lengths) - 1) / 2 for i in range(len(labels))], labels, rotation=20, fontsize=8)
@@ -340,21 +340,20 @@ def _prefill_plot(plt, rows: list[dict], directory: Path) -> Path:
     return _save(plt, fig, directory / "prefill-tps.png")
 
 
-def _label(policy: str, budget, where: str, several: bool) -> str:
+def _label(policy: str, budget, row: dict, several: bool) -> str:
     label = policy if budget is None else f"{policy} b={budget}"
-    return f"{label} [{short_machine(where)}]" if several else label
+    return f"{label} [{short_machine(row)}]" if several else label
 
 
-def short_machine(where: str) -> str:
-    """A legend-sized name that still tells machines apart: 'Intel(R) Xeon(R) Processor, 2 threads' -> 'Xeon 2t'
-    (one CPU at 1 and 2 threads is two machines); a GPU row is named by its GPU: 'NVIDIA H100 80GB HBM3 (...)'
-    -> 'H100 80GB HBM3'."""
-    if where.endswith(")") and " (" in where:
-        return where.partition(" (")[0].replace("NVIDIA ", "")[:16]
-    cpu, _, threads = where.rpartition(", ")
-    words = [w for w in re.sub(r"\((R|TM)\)", "", cpu).split() if w not in {"Intel", "AMD", "Processor", "CPU"}]
-    count = threads.split()[0] if threads[:1].isdigit() else "?"
-    return f"{' '.join(words)[:16] or '?'} {count}t"
+def short_machine(row: dict) -> str:
+    """`machine` in legend size, still telling machines apart: 'Intel(R) Xeon(R) Processor', 2 threads -> 'Xeon 2t'
+    (one CPU at 1 and 2 threads is two machines); a GPU row is named by its GPU: 'H100 80GB HBM3'."""
+    hw = row.get("hardware") or {}
+    if hw.get("gpu"):
+        return hw["gpu"].replace("NVIDIA ", "")[:16]
+    words = [w for w in re.sub(r"\((R|TM)\)", "", str(hw.get("cpu"))).split()
+             if w not in {"Intel", "AMD", "Processor", "CPU"}]
+    return f"{' '.join(words)[:16] or '?'} {hw.get('torch_threads') or '?'}t"
 
 
 LEGEND_ROWS = 30  # entries per legend column; a big grid has dozens of series
