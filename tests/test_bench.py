@@ -451,3 +451,36 @@ def test_report_legend_names_each_machine_apart(tmp_path):
     assert "locret b=64 [Xeon 1t]" in labels and "locret b=64 [Xeon 2t]" in labels and "full [EPYC 1t]" in labels
     gpu = {"cpu": "AMD EPYC 9454 48-Core Processor", "torch_threads": 16, "gpu": "NVIDIA H100 80GB HBM3"}
     assert short_machine({"hardware": gpu}) == "H100 80GB HBM3"
+
+
+def test_report_plots_give_each_policy_its_own_look(tmp_path):
+    """The grid has eleven policies: the ten default colours alone gave two of them one look."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    from localchat.bench.report import _accuracy_plot, _time_memory_plot
+
+    rows = [{**r, "policy": f"policy{i}", "machine": "x 2t"} for i in range(12) for r in _fake_rows()
+            if r["policy"] == "locret"]
+    kept = []
+
+    class KeepOpen:  # plt, except the figures stay open to be read
+        subplots = staticmethod(plt.subplots)
+
+        @staticmethod
+        def close(fig):
+            kept.append(fig)
+
+    _accuracy_plot(KeepOpen, rows, "passkey", tmp_path)
+    _time_memory_plot(KeepOpen, rows, tmp_path)
+    accuracy, time_memory = (fig.axes[0] if i == 0 else fig.axes[-1] for i, fig in enumerate(kept))
+    lines = accuracy.get_legend().legend_handles
+    assert len(lines) == 12 * 2  # policy x length
+    looks = {(to_rgba(h.get_color()), str(h.get_linestyle()), h.get_marker()) for h in lines}  # "C10" is "C0"
+    assert len(looks) == 12 * 2
+    series = time_memory.get_lines()
+    assert len(series) == 12 * 2  # policy x budget
+    assert len({(to_rgba(h.get_color()), str(h.get_linestyle())) for h in series}) == 12 * 2

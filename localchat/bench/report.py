@@ -284,13 +284,13 @@ def _accuracy_plot(plt, rows: list[dict], task: str, directory: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     mine = _ok([r for r in rows if r["task"] == task])
     budgets = [b for b in _ordered(r["budget"] for r in mine) if b is not None]
-    colours = {p: f"C{i}" for i, p in enumerate(_ordered(r["policy"] for r in rows))}
+    styles = {p: series_style(i) for i, p in enumerate(_ordered(r["policy"] for r in rows))}
     markers = {n: "osD^v<>"[i % 7] for i, n in enumerate(_ordered(r["length"] for r in rows))}
     for (policy, length), group in _group(mine, "policy", "length").items():
         by_budget = _group(group, "budget")
-        style = {"color": colours[policy], "label": f"{policy} {length}"}
-        if (None,) in by_budget:  # full: one level across every budget
-            ax.axhline(mean(r["score"] for r in by_budget[(None,)]), linestyle="--", **style)
+        style = {**styles[policy], "label": f"{policy} {length}"}
+        if (None,) in by_budget:  # full: one level across every budget, dashed
+            ax.axhline(mean(r["score"] for r in by_budget[(None,)]), **{**style, "linestyle": "--"})
             continue
         xs = [b for b in budgets if (b,) in by_budget]
         ax.plot(xs, [mean(r["score"] for r in by_budget[(b,)]) for b in xs], marker=markers[length],
@@ -307,15 +307,14 @@ def _accuracy_plot(plt, rows: list[dict], task: str, directory: Path) -> Path:
 def _time_memory_plot(plt, rows: list[dict], directory: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     series = _group(_ok(rows), "policy", "budget", "machine")
-    for (policy, budget, _), group in series.items():
+    for i, ((policy, budget, _), group) in enumerate(series.items()):
         by_length = sorted(_group(group, "length").items())
         xs = [length for (length,), _ in by_length]
-        label = _label(policy, budget, group[0], _machine_column(rows))
-        axes[0].plot(xs, [1000 * mean(r["prefill_s"] / r["prompt_tokens"] for r in g) for _, g in by_length],
-                     marker="o", label=label)
+        style = {**series_style(i), "marker": "o", "label": _label(policy, budget, group[0], _machine_column(rows))}
+        axes[0].plot(xs, [1000 * mean(r["prefill_s"] / r["prompt_tokens"] for r in g) for _, g in by_length], **style)
         axes[1].plot(xs, [1000 * mean(r["decode_s"] / max(r["new_tokens"], 1) for r in g) for _, g in by_length],
-                     marker="o", label=label)
-        axes[2].plot(xs, [max(r["peak_memory_bytes"] for r in g) / MIB for _, g in by_length], marker="o", label=label)
+                     **style)
+        axes[2].plot(xs, [max(r["peak_memory_bytes"] for r in g) / MIB for _, g in by_length], **style)
     for ax, title in zip(axes, ("prefill ms per prompt token", "decode ms per token", "peak memory MiB")):
         ax.set(title=title, xlabel="document tokens")
         ax.set_ylim(bottom=0)
@@ -338,6 +337,15 @@ def _prefill_plot(plt, rows: list[dict], directory: Path) -> Path:
     ax.set(title="prefill tokens/s per policy", ylabel="tokens/s")
     _legend_right(fig, ax)
     return _save(plt, fig, directory / "prefill-tps.png")
+
+
+LINE_STYLES = ("-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)))  # "--" is full attention's level in the accuracy plots
+
+
+def series_style(i: int) -> dict:
+    """Series i's colour and line: the ten default colours, then again with the next line style, so the
+    eleven policies of the grid (and the dozens of policy x budget series) never share a look up to 40."""
+    return {"color": f"C{i % 10}", "linestyle": LINE_STYLES[(i // 10) % len(LINE_STYLES)]}
 
 
 def _label(policy: str, budget, row: dict, several: bool) -> str:
