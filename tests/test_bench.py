@@ -420,6 +420,19 @@ def test_report_plot_legend_stays_beside_the_plot(tmp_path):
     assert image.shape[1] > width + legend.width * 0.9  # the saved image widened to take in the legend
 
 
+def _keep_open(plt, kept: list):
+    """plt for the report's plot functions, except each figure stays open in `kept`, to be read."""
+
+    class KeepOpen:
+        subplots = staticmethod(plt.subplots)
+
+        @staticmethod
+        def close(fig):
+            kept.append(fig)
+
+    return KeepOpen
+
+
 def test_report_legend_names_each_machine_apart(tmp_path):
     """The grid's 1- and 2-thread rows on one Xeon once shared a legend label (the CPU name cut to 12 chars)."""
     import matplotlib
@@ -436,15 +449,7 @@ def test_report_legend_names_each_machine_apart(tmp_path):
     for row in rows:
         row["machine"] = machine(row)
     kept = []
-
-    class KeepOpen:  # plt, except the figure stays open to be read
-        subplots = staticmethod(plt.subplots)
-
-        @staticmethod
-        def close(fig):
-            kept.append(fig)
-
-    _time_memory_plot(KeepOpen, rows, tmp_path)
+    _time_memory_plot(_keep_open(plt, kept), rows, tmp_path)
     fig = kept[0]
     labels = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
     assert len(labels) == len(set(labels)) == 3 * 3  # (full, locret 64, locret 128) x three machines
@@ -466,16 +471,8 @@ def test_report_plots_give_each_policy_its_own_look(tmp_path):
     rows = [{**r, "policy": f"policy{i}", "machine": "x 2t"} for i in range(12) for r in _fake_rows()
             if r["policy"] == "locret"]
     kept = []
-
-    class KeepOpen:  # plt, except the figures stay open to be read
-        subplots = staticmethod(plt.subplots)
-
-        @staticmethod
-        def close(fig):
-            kept.append(fig)
-
-    _accuracy_plot(KeepOpen, rows, "passkey", tmp_path)
-    _time_memory_plot(KeepOpen, rows, tmp_path)
+    _accuracy_plot(_keep_open(plt, kept), rows, "passkey", tmp_path)
+    _time_memory_plot(_keep_open(plt, kept), rows, tmp_path)
     accuracy, time_memory = (fig.axes[0] if i == 0 else fig.axes[-1] for i, fig in enumerate(kept))
     lines = accuracy.get_legend().legend_handles
     assert len(lines) == 12 * 2  # policy x length
