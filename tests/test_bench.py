@@ -473,7 +473,7 @@ def test_report_plots_give_each_policy_its_own_look(tmp_path):
     kept = []
     _accuracy_plot(_keep_open(plt, kept), rows, "passkey", tmp_path)
     _time_memory_plot(_keep_open(plt, kept), rows, tmp_path)
-    accuracy, time_memory = (fig.axes[0] if i == 0 else fig.axes[-1] for i, fig in enumerate(kept))
+    accuracy, time_memory = kept[0].axes[0], kept[1].axes[-1]
     lines = accuracy.get_legend().legend_handles
     assert len(lines) == 12 * 2  # policy x length
     looks = {(to_rgba(h.get_color()), str(h.get_linestyle()), h.get_marker()) for h in lines}  # "C10" is "C0"

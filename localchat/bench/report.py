@@ -306,11 +306,11 @@ def _accuracy_plot(plt, rows: list[dict], task: str, directory: Path) -> Path:
 
 def _time_memory_plot(plt, rows: list[dict], directory: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    series = _group(_ok(rows), "policy", "budget", "machine")
+    series, several = _group(_ok(rows), "policy", "budget", "machine"), _machine_column(rows)
     for i, ((policy, budget, _), group) in enumerate(series.items()):
         by_length = sorted(_group(group, "length").items())
         xs = [length for (length,), _ in by_length]
-        style = {**series_style(i), "marker": "o", "label": _label(policy, budget, group[0], _machine_column(rows))}
+        style = {**series_style(i), "marker": "o", "label": _label(policy, budget, group[0], several)}
         axes[0].plot(xs, [1000 * mean(r["prefill_s"] / r["prompt_tokens"] for r in g) for _, g in by_length], **style)
         axes[1].plot(xs, [1000 * mean(r["decode_s"] / max(r["new_tokens"], 1) for r in g) for _, g in by_length],
                      **style)
