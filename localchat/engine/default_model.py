@@ -20,6 +20,7 @@ from pathlib import Path
 from localchat import paths
 from localchat.engine.cards import ModelCard, default_card
 from localchat.errors import ModelError
+from localchat.filelock import Locked
 
 Say = Callable[[str], None]
 DONE_MARKER = "localchat-converted.txt"
@@ -121,10 +122,21 @@ def convert_gguf(gguf: Path, out: Path, say: Say = _stderr) -> Path:
     return out
 
 
+def build_once(out: Path, make: Callable[[], Path], say: Say = _stderr) -> Path:
+    """`out` once it holds DONE_MARKER; else `make()` builds it. Processes starting together on a fresh cache
+    (bench lanes, two terminals) take turns under a lock beside `out`: one builds, the others wait and reuse it,
+    so none replaces the directory while another loads from it."""
+    if (out / DONE_MARKER).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with Locked(out.parent / (out.name + ".lock"), waiting=say):
+        if (out / DONE_MARKER).exists():
+            return out
+        return make()
+
+
 def ensure_default_model(card: ModelCard | None = None, say: Say = _stderr) -> Path:
     """A local HF directory holding the default model, ready for from_pretrained."""
     card = card or default_card()
     out = paths.cache_dir() / "models" / card.id / "hf"
-    if (out / DONE_MARKER).exists():
-        return out
-    return convert_gguf(ensure_gguf(card, say), out, say)
+    return build_once(out, lambda: convert_gguf(ensure_gguf(card, say), out, say), say)

@@ -11,7 +11,7 @@ import torch
 
 from localchat import paths
 from localchat.engine.cards import ModelCard, default_card, find_card
-from localchat.engine.default_model import DONE_MARKER, Say, _stderr, convert_gguf, ensure_default_model
+from localchat.engine.default_model import Say, _stderr, build_once, convert_gguf, ensure_default_model
 from localchat.errors import ModelError
 
 
@@ -38,10 +38,7 @@ def _gguf_dir(gguf: Path, say: Say) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = paths.cache_dir() / "models" / f"gguf-{gguf.stem}-{key}"
-    if (out / DONE_MARKER).exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return convert_gguf(gguf, out, say)
+    return build_once(out, lambda: convert_gguf(gguf, out, say), say)
 
 
 def resolve(spec: str | None, say: Say = _stderr) -> tuple[str, ModelCard | None]:
