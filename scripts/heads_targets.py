@@ -1,6 +1,6 @@
 """The heads issue's targets, checked on a bench results file: met, not met, or waiting for cells.
 
-    python scripts/heads_targets.py bench/results/grid-smollm2-cpu [--out FILE.md]
+    python scripts/heads_targets.py bench/results/grid-smollm2-cpu [--fill bench/results/grid-smollm2-h100-fp32] [--out FILE.md]
 
 Rows are counted only for the default heads (LOCRET rows without `heads`), `--heads random` (shown as
 `random heads`) and the other policies at their own settings. A cell with fewer than N=20 rows is "waiting".
@@ -8,6 +8,10 @@ Targets (the issue's words): at 7.5K (7,680 tokens), LOCRET >= 95 % of full atte
 >= 90 % at b=512 on each task; at every budget and task, LOCRET above random heads and above StreamingLLM;
 on average over tasks, above every other policy; at 32K compact b=1024, passkey >= 90 % and niah_single within
 10 points of full attention at 4K.
+
+`--fill DIR`: a cell with fewer than N rows here takes DIR's `--weights fp32` rows for it (the same examples in
+the CPU rows' dtype on another machine; `scripts/grid_cross_check.py` compares the two where both have a cell).
+Such values are marked with a dagger.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ BASELINES = ("random heads", "streaming", "h2o", "snapkv", "sirllm", "random")
 N = 20
 
 
-def load(directory: Path) -> dict[tuple, list[bool]]:
-    """(task, length, name, budget, positions) -> correctness of each example."""
+FILLED: set[tuple] = set()  # cells whose rows come from --fill
+
+
+def load(directory: Path, weights: str | None = None) -> dict[tuple, list[bool]]:
+    """(task, length, name, budget, positions) -> correctness of each example, for rows of `weights`."""
     cells: dict[tuple, list[bool]] = defaultdict(list)
     for r in read_rows(directory / RESULTS):
-        if r.get("turns") is not None or r.get("weights") or r.get("kv") or r.get("error"):
+        if r.get("turns") is not None or r.get("weights") != weights or r.get("kv") or r.get("error"):
             continue
         name = r["policy"]
         if name == "locret" and r.get("heads"):
@@ -39,13 +46,33 @@ def load(directory: Path) -> dict[tuple, list[bool]]:
     return cells
 
 
-def acc(cells, task, length, name, budget=None, positions="compact") -> float | None:
-    got = cells.get((task, length, name, budget, None if name == "full" else positions), [])
-    return sum(got) / len(got) if len(got) >= N else None
+def fill(cells, other) -> dict[tuple, list[bool]]:
+    """`cells` with each cell short of N rows taken from `other` where that has N; those keys go to FILLED."""
+    merged = dict(cells)
+    for key, got in other.items():
+        if len(cells.get(key, [])) < N <= len(got):
+            merged[key] = got
+            FILLED.add(key)
+    return merged
+
+
+class Acc(float):
+    """An accuracy that knows whether it came from --fill rows (printed with a dagger)."""
+    filled = False
+
+
+def acc(cells, task, length, name, budget=None, positions="compact") -> Acc | None:
+    key = (task, length, name, budget, None if name == "full" else positions)
+    got = cells.get(key, [])
+    if len(got) < N:
+        return None
+    value = Acc(sum(got) / len(got))
+    value.filled = key in FILLED
+    return value
 
 
 def fmt(x: float | None) -> str:
-    return "waiting" if x is None else f"{x:.2f}"
+    return "waiting" if x is None else f"{x:.2f}" + ("†" if getattr(x, "filled", False) else "")
 
 
 def verdict(ok: bool | None) -> str:
@@ -74,7 +101,9 @@ def checks(cells) -> list[str]:
                 means = {}
                 for name in ("locret", *BASELINES):
                     got = [acc(cells, t, length, name, budget, positions) for t in TASKS]
-                    means[name] = None if None in got else sum(got) / len(got)
+                    means[name] = None if None in got else Acc(sum(got) / len(got))
+                    if means[name] is not None:
+                        means[name].filled = any(g.filled for g in got)
                 rest = {k: v for k, v in means.items() if k != "locret"}
                 ok = None if None in means.values() else all(means["locret"] > v for v in rest.values())
                 known = [(v, k) for k, v in rest.items() if v is not None]
@@ -94,13 +123,21 @@ def checks(cells) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", type=Path)
+    ap.add_argument("--fill", type=Path, help="results dir whose --weights fp32 rows fill cells short of N here")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    lines = checks(load(args.dir))
+    cells = load(args.dir)
+    if args.fill:
+        cells = fill(cells, load(args.fill, weights="fp32"))
+    lines = checks(cells)
     count = {v: sum(line.endswith(f"| {v} |") for line in lines) for v in ("met", "**not met**", "waiting")}
+    command = f"python scripts/heads_targets.py {args.dir}" + (f" --fill {args.fill}" if args.fill else "")
     head = [f"# The heads issue's targets on `{args.dir}` (N = {N} per cell)", "",
-            f"`python scripts/heads_targets.py {args.dir}`: met {count['met']}, not met {count['**not met**']}, "
+            f"`{command}`: met {count['met']}, not met {count['**not met**']}, "
             f"waiting for cells {count['waiting']}.", ""]
+    if args.fill:
+        head += [f"† the cell's rows come from `{args.fill}` (`--weights fp32`, {len(FILLED)} cells), because "
+                 f"`{args.dir}` has fewer than {N} there.", ""]
     text = "\n".join(head + lines) + "\n"
     if args.out:
         args.out.write_text(text)
