@@ -19,13 +19,7 @@ LIMIT_S=${LIMIT_S:-500}
 DIR=bench/results/grid-smollm2-h100
 P=full,locret,random,streaming,h2o,snapkv,sirllm,sagekv,omnikv,roco,corm
 E=locret,random,streaming,h2o,snapkv,sirllm  # the heads issue's rows at original positions
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-if ! "$PY" -c "import localchat.kernels, localchat.models, localchat.builtin_profiles" 2>/dev/null; then
-    for pair in kernels:kernels models:models builtin_profiles:profiles; do  # pyproject's package-dir, uninstalled
-        [ -e "localchat/${pair%%:*}" ] || ln -s "../${pair#*:}" "localchat/${pair%%:*}"
-    done
-fi
+. scripts/gpu_env.sh
 T0=$(date +%s)
 left() { echo $((LIMIT_S - ($(date +%s) - T0))); }
 

@@ -20,13 +20,8 @@ cd "$(dirname "$0")/.." || exit 1
 PY=${PY:-python3}
 LANES=${LANES:-8}
 LIMIT_S=${LIMIT_S:-1500}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
-if ! "$PY" -c "import localchat.kernels, localchat.models, localchat.builtin_profiles" 2>/dev/null; then
-    for pair in kernels:kernels models:models builtin_profiles:profiles; do  # pyproject's package-dir, uninstalled
-        [ -e "localchat/${pair%%:*}" ] || ln -s "../${pair#*:}" "localchat/${pair%%:*}"
-    done
-fi
+. scripts/gpu_env.sh
+export OMP_NUM_THREADS=1
 mkdir -p "$DIR"
 "$PY" -m localchat fetch-model >"$DIR/fetch.log" 2>&1 || { tail -3 "$DIR/fetch.log"; exit 1; }
 
