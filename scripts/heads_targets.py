@@ -27,9 +27,6 @@ BASELINES = ("random heads", "streaming", "h2o", "snapkv", "sirllm", "random")
 N = 20
 
 
-FILLED: set[tuple] = set()  # cells whose rows come from --fill
-
-
 def load(directory: Path, weights: str | None = None) -> dict[tuple, list[bool]]:
     """(task, length, name, budget, positions) -> correctness of each example, for rows of `weights`."""
     cells: dict[tuple, list[bool]] = defaultdict(list)
@@ -46,33 +43,35 @@ def load(directory: Path, weights: str | None = None) -> dict[tuple, list[bool]]
     return cells
 
 
+class Filled(list):
+    """A cell's correctness list taken from --fill rows."""
+
+
 def fill(cells, other) -> dict[tuple, list[bool]]:
-    """`cells` with each cell short of N rows taken from `other` where that has N; those keys go to FILLED."""
+    """`cells` with each cell short of N rows taken (as `Filled`) from `other` where that has N."""
     merged = dict(cells)
     for key, got in other.items():
         if len(cells.get(key, [])) < N <= len(got):
-            merged[key] = got
-            FILLED.add(key)
+            merged[key] = Filled(got)
     return merged
 
 
 class Acc(float):
-    """An accuracy that knows whether it came from --fill rows (printed with a dagger)."""
-    filled = False
+    """An accuracy that knows whether it rests on --fill rows (printed with a dagger)."""
+
+    def __new__(cls, value: float, filled: bool = False):
+        self = super().__new__(cls, value)
+        self.filled = filled
+        return self
 
 
 def acc(cells, task, length, name, budget=None, positions="compact") -> Acc | None:
-    key = (task, length, name, budget, None if name == "full" else positions)
-    got = cells.get(key, [])
-    if len(got) < N:
-        return None
-    value = Acc(sum(got) / len(got))
-    value.filled = key in FILLED
-    return value
+    got = cells.get((task, length, name, budget, None if name == "full" else positions), [])
+    return Acc(sum(got) / len(got), isinstance(got, Filled)) if len(got) >= N else None
 
 
-def fmt(x: float | None) -> str:
-    return "waiting" if x is None else f"{x:.2f}" + ("†" if getattr(x, "filled", False) else "")
+def fmt(x: Acc | None) -> str:
+    return "waiting" if x is None else f"{x:.2f}" + ("†" if x.filled else "")
 
 
 def verdict(ok: bool | None) -> str:
@@ -101,9 +100,7 @@ def checks(cells) -> list[str]:
                 means = {}
                 for name in ("locret", *BASELINES):
                     got = [acc(cells, t, length, name, budget, positions) for t in TASKS]
-                    means[name] = None if None in got else Acc(sum(got) / len(got))
-                    if means[name] is not None:
-                        means[name].filled = any(g.filled for g in got)
+                    means[name] = None if None in got else Acc(sum(got) / len(got), any(g.filled for g in got))
                 rest = {k: v for k, v in means.items() if k != "locret"}
                 ok = None if None in means.values() else all(means["locret"] > v for v in rest.values())
                 known = [(v, k) for k, v in rest.items() if v is not None]
@@ -136,7 +133,8 @@ def main() -> None:
             f"`{command}`: met {count['met']}, not met {count['**not met**']}, "
             f"waiting for cells {count['waiting']}.", ""]
     if args.fill:
-        head += [f"† the cell's rows come from `{args.fill}` (`--weights fp32`, {len(FILLED)} cells), because "
+        filled = sum(isinstance(got, Filled) for got in cells.values())
+        head += [f"† the cell's rows come from `{args.fill}` (`--weights fp32`, {filled} cells), because "
                  f"`{args.dir}` has fewer than {N} there.", ""]
     text = "\n".join(head + lines) + "\n"
     if args.out:
