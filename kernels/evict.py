@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from localchat.kernels import use_triton
+from localchat.kernels.rope import shift_keys
 
 BLOCK = 32
 
@@ -35,8 +36,6 @@ def gather_rotate(keys, values, idx, inv_freq=None):
 
 
 def gather_rotate_torch(keys, values, idx, inv_freq=None):
-    from localchat.engine.rope import shift_keys
-
     rows = idx[None, :, :, None]
     kept_k = torch.gather(keys, 2, rows.expand(-1, -1, -1, keys.shape[-1]))
     kept_v = torch.gather(values, 2, rows.expand(-1, -1, -1, values.shape[-1]))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from localchat.kernels import use_triton
+from localchat.kernels.quant import dequantize
+from localchat.kernels.rope import rope_table, rotate
 
 
 def decode_attention(query, quant, tail_k, tail_v, bits: int, group: int, scaling: float, inv_freq=None):
@@ -32,12 +34,10 @@ def decode_attention(query, quant, tail_k, tail_v, bits: int, group: int, scalin
 
 def dequantized_keys_values(quant, bits: int, group: int, inv_freq=None, value_dtype=torch.float32):
     """fp32 keys (rotated to their slots when `inv_freq` is given) and `value_dtype` values `[1, H, nq, d]`."""
-    from localchat.engine.qcache import _rotate, dequantize, rope_table
-
     keys = dequantize(quant["qk"], quant["ks"], quant["kz"], bits, group)
     if inv_freq is not None:
         cos, sin = rope_table(torch.arange(keys.shape[-2], device=keys.device), inv_freq)
-        keys = _rotate(keys, cos, sin)
+        keys = rotate(keys, cos, sin)
     return keys, dequantize(quant["qv"], quant["vs"], quant["vz"], bits, group, value_dtype)
 
 

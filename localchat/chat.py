@@ -1,7 +1,7 @@
-"""A plain line-by-line chat in the terminal (stdin/stdout), until the Textual TUI lands.
+"""`localchat chat`: a plain line-by-line chat in the terminal (stdin/stdout), for terminals without the window.
 
-Each turn re-reads the whole conversation (the compressed multi-turn session comes with the sessions
-issue). Commands: /attach PATH, /new, /help, /quit. A pasted or dropped file path attaches the file.
+A `Session` carries the compressed cache from turn to turn, as in the chat window: a follow-up reads only
+its own tokens. Commands: /attach PATH, /new, /help, /quit. A pasted or dropped file path attaches the file.
 """
 
 from __future__ import annotations
@@ -9,23 +9,22 @@ from __future__ import annotations
 import sys
 import threading
 
-from localchat.documents import Document, load_document, parse_path_input
-from localchat.engine.events import Error
+from localchat.documents import DEFAULT_MAX_BYTES, Document, load_document, parse_path_input
+from localchat.engine.events import Error, Notice
+from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
-from localchat.render import stream_to, user_turn
+from localchat.render import stream_to
+from localchat.session import Session
 
 HELP = "commands: /attach PATH  /new  /help  /quit   (paste a file path to attach it; Ctrl+C stops an answer)"
 
 
-def run_chat(args, settings, stdin=sys.stdin, stdout=sys.stdout) -> int:
-    from localchat.cli import load_engine
-
-    engine = load_engine(args)
+def run_chat(engine, settings: GenerationSettings | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+             stdin=sys.stdin, stdout=sys.stdout) -> int:
     print(f"localchat — {engine.name} on {engine.device.type}, policy {engine.policy.name}. {HELP}",
           file=stdout, flush=True)
-    messages: list[dict] = []
+    session = Session(engine)
     pending: list[Document] = []
-    max_bytes = int(args.max_file_mb * 1024 * 1024)
     while True:
         stdout.write("you> ")
         stdout.flush()
@@ -41,7 +40,8 @@ def run_chat(args, settings, stdin=sys.stdin, stdout=sys.stdout) -> int:
             print(HELP, file=stdout)
             continue
         if line == "/new":
-            messages, pending = [], []
+            session.clear()
+            pending = []
             print("(new conversation)", file=stdout)
             continue
         path = line[len("/attach"):].strip() if line.startswith("/attach") else parse_path_input(line)
@@ -57,23 +57,29 @@ def run_chat(args, settings, stdin=sys.stdin, stdout=sys.stdout) -> int:
         if line.startswith("/"):
             print(f"error: unknown command {line.split()[0]}; {HELP}", file=stdout)
             continue
-        turn = {"role": "user", "content": user_turn(line, pending)}
-        answer = _answer(engine, [*messages, turn], settings, stdout)
-        if answer is not None:  # keep the turn only if it was answered
-            messages += [turn, {"role": "assistant", "content": answer}]
-            pending = []
+        if _answer(session, line, pending, settings, stdout):
+            pending = []  # the documents now belong to the conversation
 
 
-def _answer(engine, messages, settings, stdout) -> str | None:
+def _answer(session: Session, question: str, documents: list[Document], settings, stdout) -> bool:
+    """Stream one turn; True when it was answered (a stopped or failed turn leaves the session as it was)."""
     cancel = threading.Event()
     stdout.write("bot> ")
-    final = stream_to(engine.chat(messages, settings, cancel), cancel, stdout)
+
+    def events():
+        for ev in session.send(question, documents, settings, cancel):
+            if isinstance(ev, Notice):
+                print(f"({ev.message})", file=stdout)
+            else:
+                yield ev
+
+    final = stream_to(events(), cancel, stdout)
     if final is None:
         print("\n(stopped)", file=stdout)
-        return None
+        return False
     if isinstance(final, Error):
         print(f"\nerror: {final.message}", file=stdout)
-        return None
+        return False
     print(f"\n({final.prompt_tokens:,} tokens read at {final.prefill_tps:,.0f} tok/s, "
           f"{final.new_tokens} written at {final.decode_tps:,.1f} tok/s)", file=stdout)
-    return final.text if final.stop_reason != "cancelled" else None
+    return final.stop_reason != "cancelled"

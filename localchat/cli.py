@@ -7,6 +7,7 @@ import sys
 import threading
 
 from localchat import __version__
+from localchat.args import check_quant, flags, policy_options, resolve_spec
 from localchat.errors import UserError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -29,18 +30,17 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--policy", default=d(None),
                    help="KV eviction policy (`localchat policies`; default: locret when the model has heads, else full)")
     p.add_argument("--budget", "-b", type=int, default=d(None), help="units kept per KV head per layer (b)")
-    p.add_argument("--stabilizers", type=int, default=d(None), help="LOCRET n_s: newest units protected per chunk")
     p.add_argument("--local", type=int, default=d(None), help="n_loc: last prompt tokens never evicted")
     p.add_argument("--positions", choices=["compact", "original"], default=d(None),
                    help="RoPE positions of kept units: their slots (compact, reads past the window) or true ones")
     p.add_argument("--decode-window", type=int, default=d(None),
                    help="evict during long answers too, keeping budget + this many recent units (default off)")
     p.add_argument("--heads", default=d(None), help="retaining heads directory, or `random` (ablation)")
-    p.add_argument("--offload", action="store_true", default=d(False),
-                   help="OmniKV on a GPU: keep the sparse layers' K/V in host memory and copy in what they attend to")
-    p.add_argument("--sparse-prefill", type=float, default=d(None), metavar="R",
-                   help="OmniKV: while reading, filter layers pick R x chunk earlier tokens for the later layers "
-                        "(the paper's R = 2; default off: full attention)")
+    for flag, opt in policy_options().items():  # each policy's own settings, as its file declares them
+        if opt.type is bool:
+            p.add_argument(flag, action="store_true", default=d(False), help=opt.help)
+        else:
+            p.add_argument(flag, type=opt.type, default=d(None), help=opt.help)
     p.add_argument("--profile", "-P", default=d(None), metavar="NAME",
                    help="device profile (`localchat profile list`), or `none`; default: config.toml's default_profile")
     if "--weights" not in p._option_string_actions:  # plan / profile parsers add their own
@@ -85,66 +85,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args):
-    from localchat.engine.sampling import GenerationSettings
-
-    return GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, seed=args.seed)
-
-
-def _check_flags(args) -> None:
-    if args.chunk is not None and args.chunk < 1:
-        raise UserError(f"--chunk must be at least 1 (got {args.chunk})")
-    for flag in ("budget", "stabilizers", "local", "decode_window"):
-        value = getattr(args, flag)
+def _check_flags(f: dict) -> None:
+    """What argparse cannot say: values out of range. The rest is checked where it is resolved."""
+    if f["chunk"] is not None and f["chunk"] < 1:
+        raise UserError(f"--chunk must be at least 1 (got {f['chunk']})")
+    for flag in ("budget", "local", "decode_window"):
+        value = f[flag]
         if value is not None and value < (1 if flag == "budget" else 0):
             raise UserError(f"--{flag.replace('_', '-')} must be {'at least 1' if flag == 'budget' else '>= 0'} (got {value})")
-    _check_quant_flags(args)
-    if args.max_file_mb <= 0:
-        raise UserError(f"--max-file-mb must be positive (got {args.max_file_mb})")
-    _settings(args).validate()
-
-
-def _check_quant_flags(args) -> None:
-    from localchat.engine.qcache import KV_CHOICES, kv_bits
-    from localchat.engine.quantize import WEIGHTS
-
-    if getattr(args, "command", None) == "bench":  # comma-separated axes there, checked by bench
-        return
-    weights, kv = getattr(args, "weights", None), getattr(args, "kv", None)
-    if weights is not None and weights not in WEIGHTS:
-        raise UserError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
-    if kv is not None:
-        try:
-            kv_bits(kv)
-        except ValueError:
-            raise UserError(f"unknown --kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}") from None
-
-
-def kv_choice(kv: str | None) -> str:
-    """The engine's --kv value: profiles may name the full-precision cache by its dtype (fp32/bf16/fp16)."""
-    from localchat.engine.qcache import kv_bits
-
-    return kv if kv_bits(kv) else "none"
+    if f.get("command") != "bench":  # comma-separated axes there, checked by bench
+        check_quant(f["weights"], f["kv"])
+    if f["max_file_mb"] <= 0:
+        raise UserError(f"--max-file-mb must be positive (got {f['max_file_mb']})")
 
 
 def load_engine(args):
-    """The engine with the policy the flags ask for (card defaults fill the gaps)."""
-    from localchat.engine.engine import Engine
-    from localchat.engine.policy_setup import policy_for
-    from localchat.profile_cli import apply_profile, fit_engine
+    """The engine the flags ask for (card defaults and the plan fill the gaps)."""
+    from localchat.planning.load import load_engine as load
 
-    apply_profile(args)  # CLI > LOCALCHAT_* > profile; the planner fills the rest
-    _check_quant_flags(args)  # values from the environment or a profile too
-    engine = Engine.load(args.model, chunk=args.chunk, positions=args.positions,
-                         weights=getattr(args, "weights", None), kv=kv_choice(getattr(args, "kv", None)))
-    engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
-                                 local=args.local, heads=args.heads, decode_window=args.decode_window,
-                                 offload=getattr(args, "offload", False),
-                                 sparse_prefill=getattr(args, "sparse_prefill", None)),
-                      args.positions)
-    fit_engine(engine, args)
-    return engine
+    return load(resolve_spec(args))
 
 
 def stats_line(engine, done) -> str:
@@ -182,7 +141,7 @@ def run_ask(args) -> int:
     if args.session:
         return _ask_in_session(args, engine, docs, cancel)
     messages = [{"role": "user", "content": user_turn(args.question, docs)}]
-    final = stream_to(engine.chat(messages, _settings(args), cancel), cancel, sys.stdout)
+    final = stream_to(engine.chat(messages, engine.spec.generation, cancel), cancel, sys.stdout)
     if final is None:
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -212,7 +171,7 @@ def _ask_in_session(args, engine, docs, cancel) -> int:
         print(f"localchat: {note}", file=sys.stderr)
 
     def events():
-        for ev in session.send(args.question, docs, _settings(args), cancel):
+        for ev in session.send(args.question, docs, engine.spec.generation, cancel):
             if isinstance(ev, Notice):
                 print(f"localchat: {ev.message}", file=sys.stderr)
             else:
@@ -233,6 +192,7 @@ def _ask_in_session(args, engine, docs, cancel) -> int:
 
 
 def run_sessions(args) -> int:
+    from localchat.engine.policies import POLICIES
     from localchat.store import Store
 
     store = Store()
@@ -249,7 +209,8 @@ def run_sessions(args) -> int:
     rows = [("name", "title", "model", "policy", "turns", "tokens", "kept", "last used")]
     for c in chats:
         budget = store.settings(c.name).get("budget")
-        policy = f"{c.policy} b={budget}" if budget and c.policy != "full" else c.policy
+        takes_budget = c.policy in POLICIES and POLICIES[c.policy].uses_budget()
+        policy = f"{c.policy} b={budget}" if budget and takes_budget else c.policy
         rows.append((c.name, c.title[:40], c.model, policy, str(c.turns), f"{c.tokens:,}",
                      f"{c.kept_bytes / 2**20:,.1f} MiB", time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -262,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        _check_flags(args)
+        _check_flags(flags(args))
         if args.command == "ask":
             return run_ask(args)
         if args.command == "policies":
@@ -294,14 +255,14 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         if args.command == "chat":
             from localchat.chat import run_chat
+            from localchat.planning.load import load_engine as load
 
-            return run_chat(args, _settings(args))
-        from localchat.profile_cli import apply_profile
+            engine = load(resolve_spec(args))
+            return run_chat(engine, engine.spec.generation, max_bytes=int(args.max_file_mb * 1024 * 1024))
         from localchat.tui.app import run_tui  # no subcommand: the chat window
 
-        apply_profile(args)  # before the window reads the flags
-
-        return run_tui(args, _settings(args))
+        # resolved now (a bad setting fails before the window opens); planned and loaded behind the window
+        return run_tui(resolve_spec(args, plan=False), max_bytes=int(args.max_file_mb * 1024 * 1024))
     except UserError as exc:
         if args.debug:
             raise

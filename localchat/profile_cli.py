@@ -1,24 +1,24 @@
-"""`localchat plan`, `localchat profile list|show|validate|tune`, and applying a profile to the flags."""
+"""`localchat plan` and `localchat profile list|show|validate|tune`: parsing and printing; the settings come from
+planning/resolve.py, the engine from planning/load.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from localchat import profiles
-from localchat.engine.memory import GIB, MIB, Device, Shape, detect, dtype_name, quantized, read_config
-from localchat.engine.policies import policy_class
-from localchat.engine.policy_setup import check_offload
-from localchat.errors import UserError
-from localchat.planner import CHUNKS, DEFAULT_MARGIN, Plan, Request, make_plan, verify
+from dataclasses import replace
 
-# profile setting -> argparse attribute
-ARG_NAMES = {"model": "model", "policy": "policy", "positions": "positions", "budget": "budget", "chunk": "chunk",
-             "stabilizers": "stabilizers", "local": "local", "weights": "weights", "kv": "kv",
-             "margin_mib": "margin_mib"}
+from localchat.args import resolve_spec
+from localchat.config import RunSpec
+from localchat.errors import UserError
+from localchat.planning import profiles
+from localchat.planning.load import load_measured
+from localchat.planning.memory import GIB, MIB, Device, detect, quantized
+from localchat.planning.planner import Plan, make_plan, verify
+from localchat.planning.resolve import Target, fixed_fields, model_facts, plan_request
 
 
 def add_parsers(sub, model_flags) -> None:
@@ -56,199 +56,57 @@ def _plan_flags(p) -> None:
                    help="with --memory-gb: plan for a GPU (bf16, 1 GiB margin) or a CPU (fp32)")
 
 
-# --- applying a profile -------------------------------------------------------------------------------------
+# --- the plan -------------------------------------------------------------------------------------------------
 
 
-def apply_profile(args, device: Device | None = None, quiet: bool = False) -> profiles.Resolved:
-    """Fill flags the user left unset from LOCALCHAT_* and the profile (once per args); warn about a
-    profile made for another device."""
-    done = getattr(args, "_resolved", None)
-    if done is not None:
-        return done
-    cli = {key: getattr(args, attr, None) for key, attr in ARG_NAMES.items()}
-    r = profiles.resolve(cli, getattr(args, "profile", None), device=device or detect())
-    for key, value in r.values.items():
-        setattr(args, ARG_NAMES[key], value)
-    if not quiet:
-        for w in r.warnings:
-            print(f"localchat: warning: {w}", file=sys.stderr)
-    args._resolved = r
-    return r
+def _target(args, device: Device) -> Target:
+    """The memory the plan is for: --memory-gb, a profile made for another device, or what is free here."""
+    profile, _ = profiles.choose_profile(args.profile, os.environ, profiles.read_config())
+    if args.memory_gb is not None:
+        if not args.memory_gb > 0:
+            raise UserError(f"--memory-gb must be a positive number (got {args.memory_gb})")
+        kind = args.device or device.kind
+        if not args.device and profile is not None and profile.meta.get("device"):
+            kind = "cpu" if str(profile.meta["device"]).lower() == "cpu" else "cuda"
+        return Target(int(args.memory_gb * GIB), f"--memory-gb {args.memory_gb:g}", kind)
+    if profile is not None and "memory_gb" in profile.meta and profiles.device_mismatch(profile, device):
+        return Target(int(profile.meta["memory_gb"] * GIB), f"{profile.meta.get('description', profile.name)}, "
+                                                             f"from {profile.label}", "cuda")
+    return Target.of(device)
 
 
-# --- the model's shape without loading it ------------------------------------------------------------------
-
-
-def _heads_d_r(directory: Path) -> int:
-    try:
-        return int(json.loads((directory / "heads.json").read_text(encoding="utf-8"))["d_r"])
-    except (OSError, KeyError, ValueError):
-        return 0
-
-
-def model_facts(spec: str | None) -> tuple[Shape, object, int]:
-    """(shape, model card or None, d_R of the shipped heads or 0) without loading any weights.
-    `spec` may also be a config.json file or a directory holding only config.json."""
-    from importlib import resources
-
-    from localchat.engine.cards import find_card
-
-    path = Path(spec).expanduser() if spec else None
-    if path is not None and (path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())):
-        try:
-            cfg = read_config(path)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        card = find_card(spec)
-        name = path.stem if path.suffix == ".json" else path.name
-    else:
-        from localchat.engine import loading
-
-        source, card = loading.resolve(spec)
-        if Path(source).is_dir():
-            cfg = read_config(source)
-        else:
-            try:
-                from transformers import AutoConfig
-
-                cfg = AutoConfig.from_pretrained(source).to_dict()
-            except Exception as exc:  # noqa: BLE001 - offline, gated, or not a model id
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise UserError(f"cannot read the config of {spec}: {first}; pass --model DIR (a directory "
-                                f"with config.json) to plan without downloading") from None
-        name = card.name if card else spec
-    try:
-        shape = Shape.from_config(cfg, name=name)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"{spec}: not a decoder config this planner knows ({exc})") from None
-    d_r = 0
-    if card is not None:
-        d_r = _heads_d_r(Path(str(resources.files("localchat.models") / card.id)))
-    return shape, card, d_r
-
-
-# --- building a plan ------------------------------------------------------------------------------------------
-
-
-def _target_device(args, r: profiles.Resolved, device: Device) -> tuple[int, str, str]:
-    """(memory bytes, where the figure comes from, device kind) the plan is for."""
-    p = r.profile
-    if getattr(args, "memory_gb", None):
-        kind = getattr(args, "device", None) or device.kind
-        if not getattr(args, "device", None) and p is not None and p.meta.get("device"):
-            kind = "cpu" if str(p.meta["device"]).lower() == "cpu" else "cuda"
-        return int(args.memory_gb * GIB), f"--memory-gb {args.memory_gb:g}", kind
-    if p is not None and "memory_gb" in p.meta and profiles.device_mismatch(p, device):
-        return int(p.meta["memory_gb"] * GIB), f"{p.meta.get('description', p.name)}, from {p.label}", "cuda"
-    return device.free, f"free on {device.describe()}", device.kind
-
-
-def build_request(args, r: profiles.Resolved, card, d_r: int, kind: str, measured: dict | None = None) -> Request:
-    act = "bf16" if kind == "cuda" else "fp32"
-    weights = args.weights or act
-    policy = args.policy or ("locret" if d_r or getattr(args, "heads", None) else None)
-    cls = policy_class(policy) if policy else None
-    offload = bool(getattr(args, "offload", False))
-    if offload:
-        check_offload(policy, kind, "plan it for a GPU with --device cuda --memory-gb N")
-    bounded = cls is None or cls.bounded()
-    positions = args.positions or (cls.default_positions if cls else "compact")
-    locret = (card.locret if card else {}) or {}
-    if policy == "locret" and not d_r:
-        d_r = 1024  # the paper's d_R: heads trained for this model would be this size
-    throughput = {}
-    if measured:
-        throughput = {int(c): float(t) for c, t in zip(measured.get("chunks", []), measured.get("tokens_per_s", []))}
-    return Request(
-        budget=args.budget, chunk=args.chunk,
-        local=args.local if args.local is not None else int(locret.get("local", 96)),
-        max_new=getattr(args, "max_new_tokens", 512), weights=weights,
-        kv=args.kv if args.kv not in (None, "none") else act, act=act,
-        d_r=d_r if policy in ("locret", None) else 0,
-        margin=args.margin_mib * MIB if args.margin_mib is not None else None,
-        target=locret.get("budget"), card_chunk=locret.get("chunk"),
-        compact=positions == "compact" and bounded, holds_prompt=None if bounded else policy,
-        policy=(cls(offload=True) if offload else cls()) if cls is not None else None,
-        throughput=throughput,
-        host_memory=detect("cpu").free - DEFAULT_MARGIN["cpu"] if offload else None,
-    )
-
-
-def _plan(args, quiet: bool = False) -> tuple[Plan, profiles.Resolved, Device]:
+def plan_for(args, quiet: bool = False) -> tuple[RunSpec, Plan, Device]:
+    """The RunSpec `args` resolve to on the plan's target, and the plan that prints (for a policy the budget
+    bounds, the one the spec was made with; else a plan of the same settings that says what the memory holds)."""
     device = detect()
-    r = apply_profile(args, device, quiet=quiet)
-    shape, card, d_r = model_facts(args.model)
-    memory, source, kind = _target_device(args, r, device)
-    measured = r.profile.meta.get("measured") if r.profile is not None else None
-    req = build_request(args, r, card, d_r, kind, measured)
-    plan = make_plan(shape, memory, req, kind=kind, memory_source=source)
-    if quantized(req.weights):
-        plan.notes.append(f"weights {req.weights}: linear layers only (embeddings, lm_head and norms at 16 bits); "
-                          f"`--weights {req.weights}` loads them so")
-    if quantized(req.kv):
-        plan.notes.append(f"KV cache {req.kv}: retained units packed with a fp16 scale and zero per 64 values; "
-                          f"the newest chunk stays full precision until the next eviction")
-    if r.profile is not None:
-        plan.notes.insert(0, f"{r.profile.label} ({r.profile_source})")
-    return plan, r, device
-
-
-def load_measured(args) -> tuple[object, int]:
-    """The engine as load_engine builds it, and the process RSS just before its weights load (after the
-    libraries, their CPU kernels and the tokenizer: those are the margin's job, not the memory model's)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from localchat.engine import loading
-    from localchat.engine.engine import Engine
-    from localchat.engine.memory import rss_bytes
-    from localchat.engine.policy_setup import policy_for
-
-    from localchat.engine import quantize
-
-    source, card = loading.resolve(args.model)
-    local = Path(source).is_dir()
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
-    device = loading.best_device()
-    weights = getattr(args, "weights", None)  # measured as planned: --weights and --kv load as the chat would
-    quantize.check(weights, device)
-    dtype = quantize.load_dtype(weights, loading.best_dtype(device), device)
-    bnb = quantize.bnb_config(weights, device)
-    extra = {"quantization_config": bnb, "device_map": {"": device.index or 0}} if bnb is not None else {}
-    kv = getattr(args, "kv", None)
-    x = torch.randn(1, 4, 64, 32, dtype=dtype, device=device)  # page in the kernels a forward uses
-    mask = torch.ones(64, 64, dtype=torch.bool, device=device).tril()
-    torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
-    torch.nn.functional.silu(x @ x.transpose(-1, -2)).topk(8, dim=-1)
-    baseline = rss_bytes()
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", local_files_only=local,
-                                                 **extra)
-    if bnb is None:
-        model.to(device)
-    model.eval()
-    model.requires_grad_(False)
-    quantize.quantize_after_load(model, weights, device)
-    engine = Engine(model, tokenizer, name=card.name if card else args.model or source, card=card, chunk=args.chunk,
-                    positions=args.positions, kv=kv if kv in ("int8", "int4", "int2") else None)
-    engine.weights = weights
-    engine.set_policy(policy_for(engine, args.policy, budget=args.budget, stabilizers=args.stabilizers,
-                                 local=args.local, heads=getattr(args, "heads", None),
-                                 decode_window=getattr(args, "decode_window", None),
-                                 offload=getattr(args, "offload", False),
-                                 sparse_prefill=getattr(args, "sparse_prefill", None)), args.positions)
-    return engine, baseline
+    target = _target(args, device)
+    spec = resolve_spec(args, device=device, target=target, quiet=quiet)
+    shape, card = model_facts(spec.model)
+    plan = spec.plan
+    if plan is None:
+        req = plan_request(spec, card, target.kind, fixed={"chunk"} | ({"budget"} if spec.policy.budget else set()))
+        plan = make_plan(shape, target.memory, req, kind=target.kind, memory_source=target.source)
+    if quantized(plan.request.weights):
+        plan.notes.append(f"weights {plan.request.weights}: linear layers only (embeddings, lm_head and norms at "
+                          f"16 bits); `--weights {plan.request.weights}` loads them so")
+    if quantized(plan.request.kv):
+        plan.notes.append(f"KV cache {plan.request.kv}: retained units packed with a fp16 scale and zero per 64 "
+                          f"values; the newest chunk stays full precision until the next eviction")
+    if spec.profile:
+        profile = profiles.find(spec.profile)
+        plan.notes.insert(0, f"{profile.label} ({spec.sources.get('profile', '')})")
+    return spec, plan, device
 
 
 def run_plan(args) -> int:
-    plan, r, device = _plan(args)
+    spec, plan, device = plan_for(args)
     if args.verify:
         if plan.kind != device.kind or plan.memory_source.startswith("--memory-gb"):
             raise UserError("--verify measures this machine: drop --memory-gb, or use a profile for this device")
-        args.budget, args.chunk = plan.budget, plan.chunk
-        engine, baseline = load_measured(args)
+        engine, baseline = load_measured(spec)
         plan = verify(engine, plan, baseline=baseline if device.kind == "cpu" else None)
     if args.json:
-        print(json.dumps(plan_dict(plan), indent=2))
+        print(json.dumps({**plan_dict(plan), "spec": spec.to_dict()}, indent=2))
     else:
         print("\n".join(plan.lines()))
     return 0
@@ -264,44 +122,6 @@ def plan_dict(plan: Plan) -> dict:
         "fits": plan.fits, "measured_peak": plan.measured_peak, "max_document": plan.max_document(),
         "full_cache_tokens": plan.full_attention_tokens(), "notes": plan.notes,
     }
-
-
-# --- the engine fits itself to the memory (load_engine) ---------------------------------------------------
-
-
-def fit_engine(engine, args) -> Plan | None:
-    """After loading: shrink an automatic budget (and chunk) that do not fit the free memory; a budget or chunk
-    the user fixed that cannot fit is an error saying what would. Returns the plan (None: not evicting, or a
-    policy whose prefill holds the whole cache, SAGE-KV: the budget does not bound its memory, the document does)."""
-    import torch
-
-    from localchat.engine.memory import model_bytes
-
-    p = engine.policy
-    if not p.bounded():
-        return None
-    device = detect("cuda" if engine.device.type == "cuda" else "cpu")
-    weights = model_bytes(engine.model)
-    memory = device.free + (weights if device.kind == "cpu" else torch.cuda.memory_allocated())
-    heads = getattr(p, "heads", None)
-    dtype = next(engine.model.parameters()).dtype
-    act = dtype_name(dtype)
-    req = Request(budget=args.budget, chunk=args.chunk, local=p.local, max_new=getattr(args, "max_new_tokens", 512),
-                  weights=act, kv=engine.kv if getattr(engine, "kv", "none") != "none" else act, act=act, d_r=getattr(heads, "d_r", 0) if heads is not None else 0,
-                  margin=args.margin_mib * MIB if getattr(args, "margin_mib", None) is not None else None,
-                  target=p.budget, card_chunk=engine.chunk, compact=engine.positions == "compact",
-                  weights_exact=weights, policy=p)
-    shape = Shape.from_config(engine.model.config, name=engine.name)
-    plan = make_plan(shape, memory, req, kind=device.kind, memory_source=f"free on {device.describe()}")
-    if plan.budget < p.budget or plan.chunk < engine.chunk:
-        print(f"localchat: plan: budget {plan.budget:,} (asked {p.budget:,}), chunk {plan.chunk:,} "
-              f"(asked {engine.chunk:,}) to fit {memory / GIB:.1f} GiB", file=sys.stderr)
-        p.budget = plan.budget
-        if getattr(p, "stabilizers", 0) >= p.budget:
-            p.stabilizers = p.budget // 4
-        engine.chunk = plan.chunk
-    engine.plan = plan
-    return plan
 
 
 # --- profile list / show / validate ----------------------------------------------------------------------------
@@ -339,22 +159,22 @@ def _show(args) -> int:
     if args.name:
         args.profile = args.name
     device = detect()
-    r = apply_profile(args, device)
-    print(f"profile      {r.profile.name if r.profile else 'none'} ({r.profile_source})")
+    spec = resolve_spec(args, device=device, plan=False)
+    profile = profiles.find(spec.profile) if spec.profile else None
+    print(f"profile      {spec.profile or 'none'} ({spec.sources.get('profile', 'no profile')})")
     print(f"device       {device.describe()}")
     print(f"fingerprint  {device.fingerprint}")
-    if r.profile is not None:
+    if profile is not None:
         for key in ("description", "device", "memory_gb", "fingerprint"):
-            if key in r.profile.meta:
-                print(f"  {key:<11} {r.profile.meta[key]}")
+            if key in profile.meta:
+                print(f"  {key:<11} {profile.meta[key]}")
     print()
-    width = max(map(len, profiles.SETTINGS))
-    for key in profiles.SETTINGS:
-        if key in r.values:
-            print(f"{key:<{width}}  {str(r.values[key]):<34} {r.sources[key]}")
-        else:
-            print(f"{key:<{width}}  {'auto':<34} auto-detected (model card / planner; see `localchat plan`)")
-    measured = r.profile.meta.get("measured") if r.profile is not None else None
+    rows = spec.rows()
+    width = max(len(k) for k, _, _ in rows)
+    for key, value, source in rows:
+        print(f"{key:<{width}}  {str(value):<34} {source}")
+    print("\n(`localchat plan` shows the memory plan, which may lower an automatic budget or chunk)")
+    measured = profile.meta.get("measured") if profile is not None else None
     if measured:
         print("\nmeasured:")
         for k, v in measured.items():
@@ -386,7 +206,7 @@ def measure_speed(engine, tokens: int, chunk: int, baseline: int | None = None) 
     """(prefill tokens/s, peak bytes) for a `tokens`-long random prompt at `chunk`."""
     import torch
 
-    from localchat.engine import memory
+    from localchat.planning import memory
     from localchat.engine.sampling import GenerationSettings
 
     ids = torch.randint(0, len(engine.tokenizer), (tokens,), generator=torch.Generator().manual_seed(chunk)).tolist()
@@ -412,17 +232,20 @@ def measure_speed(engine, tokens: int, chunk: int, baseline: int | None = None) 
 
 
 def run_tune(args) -> int:
-    chunks = sorted({int(c) for c in args.chunks.split(",") if c.strip()})
+    try:
+        chunks = sorted({int(c) for c in args.chunks.split(",") if c.strip()})
+    except ValueError:
+        raise UserError(f"--chunks takes whole numbers, e.g. 256,512 (got {args.chunks!r})") from None
     if not chunks or min(chunks) < 1:
         raise UserError(f"--chunks needs positive sizes (got {args.chunks!r})")
     if args.tokens < max(chunks):
         raise UserError(f"--tokens ({args.tokens}) must be at least the largest chunk ({max(chunks)})")
+    if args.name is not None:
+        profiles.profile_toml(args.name, {})  # a bad name fails now, not after the measurements
     device = detect()
     args.profile = args.profile or "none"  # measure plain auto-detected settings unless a profile is named
-    plan, r, _ = _plan(args)
-    args.budget = plan.budget
-    args.chunk = plan.chunk
-    engine, baseline = load_measured(args)
+    spec, plan, _ = plan_for(args)
+    engine, baseline = load_measured(replace(spec, chunk=plan.chunk))
     window = engine.window if engine.compressing else None
     chunks = [c for c in chunks if not window or plan.budget + c < window]
     speeds, peaks = [], []
@@ -431,10 +254,9 @@ def run_tune(args) -> int:
         speeds.append(round(tps, 1))
         peaks.append(round(peak / MIB, 1))
         print(f"chunk {c:>5}: {tps:8.1f} tokens/s, peak {peak / MIB:8.1f} MiB", file=sys.stderr)
-    fastest = chunks[max(range(len(chunks)), key=lambda i: speeds[i])]
-    check = make_plan(plan.shape, plan.memory, build_request(args, r, engine.card, plan.request.d_r, device.kind,
-                                                            {"chunks": chunks, "tokens_per_s": speeds}),
-                      kind=device.kind, memory_source=plan.memory_source)
+    measured_speed = {"chunks": chunks, "tokens_per_s": speeds}
+    req = plan_request(spec, engine.card, device.kind, fixed=fixed_fields(spec), measured=measured_speed)
+    check = make_plan(plan.shape, plan.memory, req, kind=device.kind, memory_source=plan.memory_source)
     predicted = check.estimate.used
     import torch
 
@@ -449,13 +271,12 @@ def run_tune(args) -> int:
     }
     table = {"description": f"tuned on {device.name}", "device": "cpu" if device.kind == "cpu" else device.name,
              "memory_gb": round(device.total / GIB, 1), "fingerprint": device.fingerprint}
-    if args.model:
-        table["model"] = args.model
+    if spec.model:
+        table["model"] = spec.model
     table.update({"policy": engine.policy.name, "positions": engine.positions, "budget": plan.budget,
                   "chunk": check.chunk, "local": engine.policy.local, "weights": plan.request.weights,
                   "kv": plan.request.kv, "margin_mib": plan.estimate.margin // MIB})
-    if hasattr(engine.policy, "stabilizers"):
-        table["stabilizers"] = engine.policy.stabilizers
+    table.update({k: v for k, v in spec.policy.params if k in profiles.SETTINGS})  # LOCRET's stabilizers
     table["measured"] = measured
     name = args.name or f"tuned-{_slug(device.name if device.kind == 'cuda' else 'cpu')}"
     path = profiles.save_profile(name, table, make_default=True)

@@ -14,7 +14,7 @@ def user_turn(question: str, documents: list[Document]) -> str:
 
     Small models answer from a long document far more reliably when the question both precedes and
     follows it (SmolLM2-135M on 6K-token pass-key documents: 0/6 with the question only after, 6/6 with
-    it on both sides; scripts/prompt_layout.py).
+    it on both sides; bench/results/prompt-layout-smollm2-6k.txt).
     """
     question = question.strip()
     if not documents:

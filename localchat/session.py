@@ -1,4 +1,4 @@
-"""A conversation: its messages and the compressed KV cache carried across turns (specs/locret.md §6.4).
+"""A conversation: its messages and the compressed KV cache carried across turns (docs/methods/locret.md §6.4).
 
 Each turn prefills only what the cache does not hold yet: the chat template's text for the whole
 conversation, minus the text already cached (the rendered history plus the answers' own tokens). At

@@ -158,6 +158,7 @@ class Store:
         cache_file = self._write_cache(session)
         now = time.time()
         e = session.engine
+        settings = {**settings_of(e), "spec": e.spec.to_dict() if e.spec is not None else None}  # the run's RunSpec
         old = self.db.execute("SELECT id, cache_file, created FROM chats WHERE name = ?", (name,)).fetchone()
         self.db.execute("BEGIN IMMEDIATE")
         try:
@@ -167,7 +168,7 @@ class Store:
                 "INSERT INTO chats (name, title, model, policy, system, created, updated, fed, kept_units, "
                 "kept_bytes, cache_file, settings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (name, session.title(), e.name, e.policy.name, session.system, old[2] if old else now, now,
-                 session.fed, session.kv_units, session.kv_bytes, cache_file, json.dumps(settings_of(e))))
+                 session.fed, session.kv_units, session.kv_bytes, cache_file, json.dumps(settings)))
             chat_id = cur.lastrowid
             questions = iter(session.questions)
             self.db.executemany(

@@ -145,8 +145,11 @@ def test_stream_decoder_never_splits_a_character(tiny_tok):
 
 
 def test_policies_that_keep_every_token_are_refused_what_memory_cannot_hold(tiny_engine, monkeypatch):
-    from localchat.engine import memory
     from localchat.engine.policies import make_policy
+    from localchat.planning import memory
+    from localchat.planning.load import admit
+
+    monkeypatch.setattr(tiny_engine, "admit", admit)  # what planning/load.py installs on every engine it loads
 
     unit = memory.kv_unit_bytes(memory.Shape.from_config(tiny_engine.model.config), "fp32")
     text = "hello " * 40

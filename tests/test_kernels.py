@@ -111,7 +111,8 @@ def test_gather_rotate_kernel_equals_twin(h, n, k, d, dtype, rotate):
 
 def test_gather_rotate_twin_moves_keys_to_their_new_slots():
     """A key rotated at slot p, moved to slot j, equals the same pre-RoPE key rotated at j."""
-    from localchat.engine.qcache import _rotate, rope_table
+    from localchat.kernels.rope import rope_table
+    from localchat.kernels.rope import rotate as _rotate
 
     d, n = 16, 12
     raw = torch.randn(1, 2, n, d)

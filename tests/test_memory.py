@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from localchat.engine import memory as m
+from localchat.planning import memory as m
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 

@@ -37,7 +37,8 @@ def test_omnikv_answers_through_ask_reading_512_units_per_sparse_layer(smollm2, 
 
 
 def test_omnikv_sparse_prefill_answers_through_ask(smollm2, tmp_path, capsys):
-    """Spec §2.8: reading too, the sparse layers see only 2 x 512 earlier tokens the filter layers chose."""
+    """docs/methods/omnikv.md §2.8: reading too, the sparse layers see only 2 x 512 earlier tokens the filter
+    layers chose."""
     sample = passkey(smollm2.tokenizer, 4000, seed=5, depth=0.5)
     doc = tmp_path / "doc.txt"
     doc.write_text(sample.document)

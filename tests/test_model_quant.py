@@ -8,7 +8,7 @@ import torch
 from localchat.bench.tasks import make_sample, prompt_messages, score
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
-from localchat.engine.policy_setup import policy_for
+from localchat.planning.load import policy_for
 from localchat.engine.sampling import GenerationSettings
 
 pytestmark = pytest.mark.model

@@ -7,7 +7,7 @@ import pytest
 
 from localchat.bench.tasks import CHAT_TURNS, as_document, passkey
 from localchat.engine.events import Done
-from localchat.engine.policy_setup import policy_for
+from localchat.planning.load import policy_for
 from localchat.engine.sampling import GenerationSettings
 from localchat.session import Session
 

@@ -1,4 +1,4 @@
-"""OmniKV --offload (engine/offload.py): the sparse layers' K/V in a host-side bank must give exactly the
+"""OmniKV --offload (engine/policies/omnikv/bank.py): the sparse layers' K/V in a host-side bank must give exactly the
 answers of the in-memory OmniKV. On this CPU the bank shares the device's memory, so these tests check the
 bookkeeping (what is banked, gathered, streamed and folded), not the CUDA copies."""
 
@@ -12,7 +12,7 @@ import torch
 from localchat.engine.cache import KVCache, KVLayer
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done, Error
-from localchat.engine.offload import Bank, BankLayer, bank_cache
+from localchat.engine.policies.omnikv.bank import Bank, BankLayer, bank_cache
 from localchat.engine.policies import make_policy
 from localchat.engine.policies.omnikv import bank_groups, layer_roles
 from localchat.engine.prefill import forward, prefill
@@ -58,7 +58,7 @@ def test_groups_bank_the_sparse_layers_after_each_filter():
 
 
 def test_split_bytes_counts_two_streamed_layers_on_both_sides():
-    from localchat.engine.memory import split_bytes
+    from localchat.planning.memory import split_bytes
 
     assert split_bytes(3200, 32, 24, prompt=1) == (1000, 2400)  # 8 resident + 2 streamed of 32 on the GPU
     assert split_bytes(3200, 32, 0, prompt=1) == (3200, 0)
@@ -66,7 +66,7 @@ def test_split_bytes_counts_two_streamed_layers_on_both_sides():
 
 
 def test_offloaded_omnikv_gives_the_same_logits_over_two_turns(monkeypatch):
-    from localchat.engine import offload
+    from localchat.engine.policies.omnikv import bank as offload
 
     monkeypatch.setattr(offload, "PAGE_BYTES", 7 * 2 * 16 * 4)  # 7 tokens per page: chunks straddle pages
     takes = []
@@ -82,7 +82,7 @@ def test_offloaded_omnikv_gives_the_same_logits_over_two_turns(monkeypatch):
     assert [type(layer) for layer in banked.layers] == [KVLayer] * 3 + [BankLayer] * 3
     assert all(layer.banked == 50 and layer.tail == 4 for layer in banked.layers[3:])  # the answer stays on the device
     assert all(len(layer.hk.pages) == 8 for layer in banked.layers[3:])
-    assert sorted(banked.bank.loaded) == []  # released after the turn
+    assert sorted(banked.extension.loaded) == []  # released after the turn
     # the second turn folds the answer into the bank and reads on
     got += _run(model, b, banked, second, 54, steps=3)
     want += _run(model, a, plain, second, 54, steps=3)
@@ -101,7 +101,7 @@ def test_offloaded_omnikv_gives_the_same_logits_over_two_turns(monkeypatch):
 
 
 def test_each_filter_choice_is_gathered_across_pages_for_its_layers(monkeypatch):
-    from localchat.engine import offload
+    from localchat.engine.policies.omnikv import bank as offload
 
     monkeypatch.setattr(offload, "PAGE_BYTES", 3 * 2 * 4 * 4)  # 3 rows of [H=2, d=4] fp32 per page
     bank = Bank(torch.device("cpu"), {0: [1, 2]})
@@ -214,7 +214,7 @@ def test_offload_refuses_a_quantized_cache(tiny_tok):
 
 
 def test_offload_flag_is_omnikvs_and_a_gpus(tiny_engine):
-    from localchat.engine.policy_setup import policy_for
+    from localchat.planning.load import policy_for
 
     with pytest.raises(UserError, match="applies to --policy omnikv"):
         policy_for(tiny_engine, "locret", heads="random", offload=True)
@@ -225,7 +225,7 @@ def test_offload_flag_is_omnikvs_and_a_gpus(tiny_engine):
 def test_plan_with_offload_reads_longer_documents_on_a_gpu():
     from pathlib import Path
 
-    from localchat.profile_cli import _plan
+    from localchat.profile_cli import plan_for
 
     config = str(Path(__file__).parent / "data" / "configs" / "llama-3.1-8b-instruct.json")
 
@@ -233,7 +233,7 @@ def test_plan_with_offload_reads_longer_documents_on_a_gpu():
         args = argparse.Namespace(model=config, policy="omnikv", budget=None, chunk=None, local=None, positions=None,
                                   weights=None, kv=None, margin_mib=None, memory_gb=24.0, device=device,
                                   profile="none", max_new_tokens=512, heads=None, offload=offload)
-        return _plan(args, quiet=True)[0]
+        return plan_for(args, quiet=True)[1]
 
     on_gpu, offloaded = plan(False), plan(True)
     assert offloaded.offloaded() == 24  # 32 layers, filters (2, 8, 18): 8 stay on the GPU
@@ -246,7 +246,8 @@ def test_plan_with_offload_reads_longer_documents_on_a_gpu():
 
 
 def test_the_engine_checks_both_memories_before_reading_with_offload(tiny_tok, monkeypatch):
-    from localchat.engine import memory
+    from localchat.planning import memory
+    from localchat.planning.load import admit
 
     engine = _engine(tiny_tok, offload=True)
     engine.device = torch.device("cuda")  # only the arithmetic runs: nothing is read
@@ -257,9 +258,9 @@ def test_the_engine_checks_both_memories_before_reading_with_offload(tiny_tok, m
     free = {"cuda": 1024 * memory.MIB + on_gpu, "cpu": 512 * memory.MIB + in_host - 1}
     monkeypatch.setattr(memory, "detect", lambda kind=None: memory.Device(kind or "cuda", "test", 2**40, free[kind or "cuda"]))
     with pytest.raises(UserError, match="omnikv --offload keeps 3 layers in host memory: 88 more tokens"):
-        engine._check_memory(88, 12, held=40)
+        admit(engine, 88, 12, held=40)
     free["cpu"] += 1
-    engine._check_memory(88, 12, held=40)  # both fit exactly
+    admit(engine, 88, 12, held=40)  # both fit exactly
     free["cuda"] -= 1
     with pytest.raises(UserError, match=r"100 more need .* GiB on the GPU \(3 offloaded layers' share"):
-        engine._check_memory(88, 12, held=40)
+        admit(engine, 88, 12, held=40)

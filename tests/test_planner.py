@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from localchat import planner
+from localchat.planning import planner
 from localchat.cli import main
-from localchat.engine import memory as m
+from localchat.planning import memory as m
 from localchat.engine.events import Done, Notice
 from localchat.engine.policies import make_policy
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
-from localchat.planner import Request, make_plan
+from localchat.planning.planner import Request, make_plan
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 LLAMA = str(CONFIGS / "llama-3.1-8b-instruct.json")
@@ -167,7 +167,7 @@ def test_builtin_profiles_fit_their_devices(capsys, profile, model):
 
 def test_plan_budget_that_cannot_fit_exits_2(capsys):
     code = main(["plan", "--model", LLAMA, "--memory-gb", "24", "--device", "cuda", "--weights", "bf16",
-                 "--budget", "120000"])
+                 "--policy", "streaming", "--budget", "120000"])
     err = capsys.readouterr().err
     assert code == 2 and "a budget up to" in err and err.count("\n") == 1
 
@@ -257,16 +257,46 @@ def test_smollm2_prediction_within_15_percent_of_the_measured_peak(smollm2, tmp_
 
 def test_verify_loads_the_weights_and_kv_it_plans_for(tmp_path):
     """`plan --verify --weights int8 --kv int4` measures an int8 model with an int4 cache, not the default."""
-    from types import SimpleNamespace
-
-    from localchat.profile_cli import load_measured
+    from localchat.planning.load import load_measured
+    from localchat.planning.resolve import resolve
     from tiny import save_tiny
 
-    args = SimpleNamespace(model=str(save_tiny(tmp_path)), weights="int8", kv="int4", chunk=32, positions=None,
-                           policy="full", budget=None, stabilizers=None, local=None)
-    engine, baseline = load_measured(args)
+    flags = {"model": str(save_tiny(tmp_path)), "weights": "int8", "kv": "int4", "chunk": 32, "policy": "full",
+             "profile": "none"}
+    engine, baseline = load_measured(resolve(flags))
     assert baseline > 0 and engine.weights == "int8" and engine.kv == "int4"
     assert type(engine.model.model.layers[0].self_attn.q_proj).__name__ != "Linear"  # quantized
-    args.weights, args.kv = None, "bf16"  # a profile's full-precision KV dtype means no quantization
-    engine, _ = load_measured(args)
+    flags.update(weights=None, kv="bf16")  # a profile's full-precision KV dtype means no quantization
+    engine, _ = load_measured(resolve(flags))
     assert engine.kv == "none" and type(engine.model.model.layers[0].self_attn.q_proj).__name__ == "Linear"
+
+
+@pytest.mark.parametrize("flags", [[], ["--budget", "64"], ["--chunk", "32"], ["--budget", "96", "--stabilizers", "8"]])
+@pytest.mark.parametrize("policy", [["--policy", "streaming"], ["--policy", "locret", "--heads", "random"],
+                                    ["--policy", "full"]])
+def test_plan_json_is_what_the_engine_loads_and_runs_with(policy, flags, tmp_path, capsys, monkeypatch):
+    """One resolution: `plan --json` prints the RunSpec the engine then runs with, for a model without a card."""
+    from localchat.cli import build_parser, load_engine
+    from tiny import save_tiny
+
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    argv = ["--model", str(save_tiny(tmp_path / "m")), *policy, *flags]
+    if "--stabilizers" in flags and "locret" not in policy:
+        assert main([*argv, "plan"]) == 2  # n_s is LOCRET's: another policy refuses it in one line
+        assert "--stabilizers applies to --policy locret" in capsys.readouterr().err
+        return
+    assert main([*argv, "plan", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["spec"]
+    engine = load_engine(build_parser().parse_args(argv))
+    assert engine.spec.to_dict() == printed
+    p = engine.policy
+    assert (p.name, engine.chunk, engine.positions, p.local) == (printed["policy"]["name"], printed["chunk"],
+                                                                 printed["policy"]["positions"], printed["policy"]["local"])
+    if p.uses_budget():
+        assert p.budget == printed["policy"]["budget"]
+        if "--budget" in flags:
+            assert p.budget == int(flags[1])  # the user's budget is kept
+    else:
+        assert printed["policy"]["budget"] is None  # full attention has none
+    if p.name == "locret":
+        assert p.stabilizers == printed["policy"]["stabilizers"] < p.budget

@@ -13,7 +13,7 @@ from localchat.engine.heads import attention_modules
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.policies.base import PROTECT, follow
 from localchat.engine.policies.corm import important, wanted
-from localchat.engine.policies import omnikv
+from localchat.engine.policies.omnikv import policy as omnikv
 from localchat.engine.policies.omnikv import filter_layers, layer_roles, select_tokens, uniform_select
 from localchat.engine.policies.roco import Stats, group_mean, roco_priority, seen_counts
 from localchat.engine.policies.sagekv import select_middle, split
@@ -60,7 +60,7 @@ def _prefill(model, policy, ids, chunk):
 
 
 def test_policies_lists_the_four_seed_methods_next_to_the_others():
-    assert set(SEED_POLICIES) <= set(POLICIES) and len(POLICIES) == 11
+    assert {"locret", "full", "streaming", "h2o", "snapkv", "sirllm", "random", *SEED_POLICIES} <= set(POLICIES)
     for name in SEED_POLICIES:
         doc = POLICIES[name].__doc__
         assert "Defaults" in doc and "[" in doc  # shapes and defaults are documented
@@ -225,7 +225,8 @@ def test_omnikv_with_a_budget_over_the_prompt_equals_full_attention():
 
 
 def _uniform_reference(q, k, earlier, keep, scaling):
-    """Spec §2.8 by loops: each chunk row's causal softmax over the keys it sees, max over heads, summed."""
+    """docs/methods/omnikv.md §2.8 by loops: each chunk row's causal softmax over the keys it sees, max over heads,
+    summed."""
     h_q, t, _ = q.shape
     g = h_q // k.shape[0]
     score = torch.zeros(earlier)
@@ -463,7 +464,7 @@ def test_omnikv_filters_are_sorted_and_checked_against_the_depth(tiny_tok):
 
 
 def test_sparse_prefill_flag_is_omnikvs(tiny_engine):
-    from localchat.engine.policy_setup import policy_for
+    from localchat.planning.load import policy_for
     from localchat.errors import UserError
 
     assert policy_for(tiny_engine, "omnikv", sparse_prefill=2).prefill_ratio == 2

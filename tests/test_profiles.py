@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from localchat import profiles
+from localchat.planning import profiles
 from localchat.cli import main
-from localchat.engine.memory import GIB, Device
+from localchat.planning.memory import GIB, Device
 from localchat.errors import UserError
 
 BUILTINS = {"rtx4090", "rtx3090", "rtx4080", "rtx4070", "rtx3060", "rtx4060", "a100-80gb", "h100-80gb", "cpu"}
@@ -151,7 +151,9 @@ def test_profile_list_and_show(config, capsys):
     assert "command line" in lines["chunk"] and "128" in lines["chunk"]
     assert "profile cpu (built-in)" in lines["budget"]
     assert main(["profile", "show", "--profile", "none"]) == 0
-    assert "auto-detected" in capsys.readouterr().out
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line and line[0] != " "}
+    assert lines["budget"].split()[1] == "1024" and "model card" in lines["budget"]  # the card below the profile
+    assert lines["policy"].split()[1] == "locret" and "heads ship" in lines["policy"]
 
 
 def test_profile_validate_exit_codes(config, capsys):

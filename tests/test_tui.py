@@ -218,7 +218,7 @@ def test_slash_commands(tiny_engine, tmp_path):
         assert "whole number" in errors(app)[-1]
         await type_text(pilot, "/profile")
         assert "chunk 64" in notes(app)[-1] and "rtx4090" in notes(app)[-1] and "profile: none" in notes(app)[-1]
-        from localchat import profiles
+        from localchat.planning import profiles
 
         profiles.save_profile("small", {"policy": "streaming", "budget": 96, "chunk": 32, "weights": "fp32"})
         await type_text(pilot, "/profile small")  # applies its policy, budget and chunk to this chat
@@ -287,9 +287,9 @@ def test_no_subcommand_opens_the_chat_window(monkeypatch):
     from localchat.tui import app as tui_app
 
     opened = []
-    monkeypatch.setattr(tui_app, "run_tui", lambda args, settings: opened.append(args.command) or 0)
+    monkeypatch.setattr(tui_app, "run_tui", lambda spec, max_bytes: opened.append(spec) or 0)
     assert cli.main(["--max-new-tokens", "7"]) == 0
-    assert opened == [None]
+    assert [spec.generation.max_new_tokens for spec in opened] == [7]  # the settings, resolved before the window
 
 
 def test_model_load_failure_keeps_the_app_alive():
@@ -417,7 +417,7 @@ def test_every_policy_answers_about_a_document_in_the_window(tiny_engine, tmp_pa
         await type_text(pilot, f"/policy {name}")
         assert tiny_engine.policy.name == name
         cls = POLICIES[name]
-        if cls.evicts or cls.selects:
+        if cls.uses_budget():
             await type_text(pilot, "/budget 128")
             assert tiny_engine.policy.budget == 128
         await paste(pilot, str(path))
@@ -442,4 +442,7 @@ def test_offload_from_the_flags_follows_only_omnikv(tiny_engine):
         await type_text(pilot, "/policy omnikv")  # and OmniKV gets it: on this CPU, the one-line refusal
         assert "this runs on the CPU" in errors(app)[-1] and tiny_engine.policy.name == "streaming"
 
-    run(scenario, make_app(tiny_engine, policy_args={"offload": True}))
+    from localchat.config import PolicySpec, RunSpec
+
+    asked = RunSpec(policy=PolicySpec("full"), asked=(("offload", True),))  # `localchat --offload`
+    run(scenario, make_app(tiny_engine, spec=asked))

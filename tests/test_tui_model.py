@@ -15,7 +15,7 @@ from tui_helpers import answers, chips, make_app, paste, record_events, run, set
 @pytest.mark.model
 @pytest.mark.slow
 def test_twenty_thousand_token_pass_key_and_a_follow_up(smollm2, tmp_path):
-    from localchat.engine.policy_setup import policy_for
+    from localchat.planning.load import policy_for
 
     smollm2.set_policy(policy_for(smollm2, None))  # the default: LOCRET with the shipped heads
     assert smollm2.policy.name == "locret"

@@ -83,23 +83,25 @@ def _stderr(line: str) -> None:
 
 def load_engine(cell: Cell):
     from localchat.engine.engine import Engine
+    from localchat.planning.load import admit
 
-    return Engine.load(cell.model_spec, chunk=cell.chunk, say=_stderr, weights=cell.weights)
+    engine = Engine.load(cell.model_spec, chunk=cell.chunk, say=_stderr, weights=cell.weights)
+    engine.admit = admit  # the memory check of policies that keep every token, as in the app
+    return engine
 
 
 def use_policy(engine, cell: Cell) -> None:
-    """The cell's policy; LOCRET's stabilizers (n_s) drop to budget // 4 where the card's n_s >= budget."""
-    from localchat.engine.policies.locret import Locret
-    from localchat.engine.policy_setup import policy_for
+    """The cell's policy, resolved as the app resolves flags (LOCRET's n_s drops to budget // 4 where the card's
+    n_s >= budget)."""
+    from localchat.planning.load import build_policy
+    from localchat.planning.resolve import policy_spec
 
-    stabilizers = None
-    if cell.policy == "locret":
-        stabilizers = (engine.card.locret.get("stabilizers") if engine.card else None) or Locret.stabilizers
-        stabilizers = stabilizers if stabilizers < cell.budget else cell.budget // 4
-    heads = cell.heads if cell.policy == "locret" else None
+    given = {"budget": cell.budget, "heads": cell.heads, "sparse_prefill": cell.sparse_prefill,
+             "positions": cell.positions}
+    spec, _ = policy_spec(cell.policy, {k: v for k, v in given.items() if v is not None}, {}, engine.card,
+                          engine.device.type)
     engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
-    engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, stabilizers=stabilizers, heads=heads,
-                                 sparse_prefill=cell.sparse_prefill), cell.positions)
+    engine.set_policy(build_policy(engine, spec), spec.positions)
 
 
 def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory: str = "subprocess",
@@ -112,7 +114,7 @@ def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory:
     common = {
         "model": engine.name, "device": engine.device.type, "hardware": machine.hardware(),
         "versions": machine.versions(), "command": command, "memory_mode": "cuda" if cuda else memory,
-        "stabilizers": getattr(engine.policy, "stabilizers", None) if engine.policy.evicts else None,
+        "stabilizers": getattr(engine.policy, "stabilizers", None) if engine.policy.evicts else None,  # LOCRET's n_s
         "local": engine.policy.local if engine.policy.evicts else None,
     }
     at, total = progress

@@ -10,6 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from localchat.args import flags
 from localchat.errors import UserError
 
 USAGE = """examples:
@@ -17,7 +18,11 @@ USAGE = """examples:
       -n 5 --out DIR --heads random
   localchat bench report DIR
   localchat bench perf --out DIR --heads random
-  localchat bench kernels --out DIR"""
+  localchat bench kernels --out DIR
+  localchat bench targets DIR [--fill DIR] [--out FILE.md]
+  localchat bench cross-check DIR_A DIR_B [--out FILE.md]
+  localchat bench side-by-side DIR
+  localchat bench plot-training RUN_DIR/train-log.json OUT.png"""
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -51,13 +56,14 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--kv", default=argparse.SUPPRESS,
                        help="KV cache quantization, comma-separated (none,int8,int4,int2; default none)")
     bench.add_argument("--sparse-prefill", type=float, default=None, metavar="R",
-                       help="omnikv cells: filter layers pick R x chunk earlier tokens while reading (spec §2.8)")
+                       help="omnikv cells: filter layers pick R x chunk earlier tokens while reading (docs/methods/omnikv.md §2.8)")
     bench.add_argument("--dry-run", action="store_true",
                        help="list the cells with examples left and estimate the time; run nothing")
     bench.add_argument("--in-process", action="store_true",
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{report,perf,kernels}")
+    sub = bench.add_subparsers(dest="bench_command",
+                                metavar="{report,perf,kernels,targets,cross-check,side-by-side,plot-training}")
     report = sub.add_parser("report", help="DIR/results.jsonl -> DIR/report.md and PNG plots")
     report.add_argument("dir", help="a bench --out directory")
     perf = sub.add_parser("perf", help="LOCRET vs full speed side by side; time per token vs length")
@@ -79,6 +85,19 @@ def add_parser(subparsers) -> None:
     kern.add_argument("--micro-only", action="store_true", help="only the kernels on random inputs (no model)")
     kern.add_argument("--units", default="1024,4096,16384", help="cache lengths of the decode-attention rows")
     _engine_flags(kern)
+    targets = sub.add_parser("targets", help="the heads issue's targets on DIR/results.jsonl: met, not met, waiting")
+    targets.add_argument("dir", help="a bench --out directory")
+    targets.add_argument("--fill", help="results dir whose --weights fp32 rows fill cells short of N=20 in DIR")
+    targets.add_argument("--out", help="also write the table to this file (e.g. DIR/targets.md)")
+    check = sub.add_parser("cross-check", help="two results dirs' fp32 rows on the same examples: same answers?")
+    check.add_argument("a", help="a bench --out directory (A)")
+    check.add_argument("b", help="another bench --out directory (B)")
+    check.add_argument("--out", help="also write the table to this file (e.g. cross-check.md)")
+    side = sub.add_parser("side-by-side", help="every policy's mean score, KV kept and peak memory, one table")
+    side.add_argument("dir", help="a bench --out directory with the grid's 4K and 7,680 cells")
+    curve = sub.add_parser("plot-training", help="retaining heads' train-log.json -> a training-curve PNG")
+    curve.add_argument("log", help="RUN_DIR/train-log.json of `localchat train-heads`")
+    curve.add_argument("out", help="the PNG to write")
 
 
 def parse_list(text: str, what: str) -> list[str]:
@@ -106,6 +125,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 def _command(args, perf: bool) -> str:
     """The command line that reproduces this run (defaults spelled out)."""
+    f = flags(args)
     parts = ["localchat", "bench"]
     if perf:
         parts += ["perf", "--out", args.out or "", "--length", args.length, "--min-length", args.min_length,
@@ -117,8 +137,8 @@ def _command(args, perf: bool) -> str:
     else:
         parts += ["--tasks", args.tasks, "--lengths", args.lengths, "--policies", args.policies,
                   "--budgets", args.budgets, "-n", str(args.n), "--out", args.out or ""]
-        if getattr(args, "positions", None):
-            parts += ["--positions", args.positions]
+        if f["positions"]:
+            parts += ["--positions", f["positions"]]
         if args.answer_tokens is not None:
             parts += ["--answer-tokens", str(args.answer_tokens)]
         if args.turns is not None:
@@ -126,12 +146,12 @@ def _command(args, perf: bool) -> str:
         if args.sparse_prefill is not None:
             parts += ["--sparse-prefill", f"{args.sparse_prefill:g}"]
         for flag in ("weights", "kv"):
-            if getattr(args, flag, None):
-                parts += [f"--{flag}", getattr(args, flag)]
+            if f[flag]:
+                parts += [f"--{flag}", f[flag]]
         if args.in_process:
             parts.append("--in-process")
     for flag in ("model", "heads", "chunk", "seed"):
-        value = getattr(args, flag, None)
+        value = f[flag]
         if value is not None:
             parts += [f"--{flag}", str(value)]
     return shlex.join(parts)
@@ -166,20 +186,31 @@ def run(args) -> int:
         return _run_perf(args)
     if args.bench_command == "kernels":
         return _run_kernels(args)
+    if args.bench_command == "targets":
+        from localchat.bench.targets import main as targets
+        return targets(args)
+    if args.bench_command == "cross-check":
+        from localchat.bench.crosscheck import main as cross_check
+        return cross_check(args)
+    if args.bench_command == "side-by-side":
+        from localchat.bench.side_by_side import main as side_by_side
+        return side_by_side(args)
+    if args.bench_command == "plot-training":
+        from localchat.bench.training_plot import main as plot_training
+        return plot_training(args)
     from localchat.bench.runner import BenchConfig
     from localchat.bench.runner import run as run_grid
 
     if not args.out:
         raise UserError("bench needs --out DIR (where results.jsonl goes)")
+    f = flags(args)
     config = BenchConfig(
         tasks=parse_list(args.tasks, "tasks"), lengths=[parse_length(t) for t in parse_list(args.lengths, "lengths")],
         policies=parse_list(args.policies, "policies"), budgets=_ints(args.budgets, "budgets"), n=args.n,
-        out=Path(args.out), model=getattr(args, "model", None), heads=getattr(args, "heads", None),
-        chunk=getattr(args, "chunk", None), positions=getattr(args, "positions", None),
-        seed=getattr(args, "seed", 0) or 0, answer_tokens=args.answer_tokens, in_process=args.in_process,
+        out=Path(args.out), model=f["model"], heads=f["heads"], chunk=f["chunk"], positions=f["positions"],
+        seed=f["seed"] or 0, answer_tokens=args.answer_tokens, in_process=args.in_process,
         turns=_ints(args.turns, "turns") if args.turns is not None else None,
-        weights=_quant_axis(getattr(args, "weights", None), "weights"),
-        kv=_quant_axis(getattr(args, "kv", None), "kv"), sparse_prefill=args.sparse_prefill,
+        weights=_quant_axis(f["weights"], "weights"), kv=_quant_axis(f["kv"], "kv"), sparse_prefill=args.sparse_prefill,
         command=_command(args, perf=False),
     )
     if args.dry_run:
@@ -197,10 +228,11 @@ def _run_kernels(args) -> int:
 
     if not args.out:
         raise UserError("bench kernels needs --out DIR (where kernels.json and kernels.md go)")
-    config = KernelConfig(out=Path(args.out), model=getattr(args, "model", None), length=parse_length(args.length),
+    f = flags(args)
+    config = KernelConfig(out=Path(args.out), model=f["model"], length=parse_length(args.length),
                           budget=args.budget, decode_tokens=args.decode_tokens, reps=args.reps,
                           micro_only=args.micro_only, units=tuple(_ints(args.units, "units")),
-                          seed=getattr(args, "seed", 0) or 0,
+                          seed=f["seed"] or 0,
                           command=shlex.join(["localchat", "bench", "kernels", *sys.argv[sys.argv.index("kernels") + 1:]])
                           if "kernels" in sys.argv else "localchat bench kernels")
     print(run_kernels(config, say=_say).read_text(encoding="utf-8"))
@@ -214,13 +246,14 @@ def _run_perf(args) -> int:
     if not args.out:
         raise UserError("bench perf needs --out DIR (where perf.json and perf.md go)")
     low, high = parse_length(args.min_length), parse_length(args.max_length)
+    f = flags(args)
     if low > high:
         raise UserError(f"--min-length {low} is above --max-length {high}")
     config = PerfConfig(
-        out=Path(args.out), model=getattr(args, "model", None), chunk=getattr(args, "chunk", None),
+        out=Path(args.out), model=f["model"], chunk=f["chunk"],
         length=parse_length(args.length), lengths=doubling(low, high), budget=args.budget,
-        heads=getattr(args, "heads", None) or "random", decode_tokens=args.decode_tokens,
-        seed=getattr(args, "seed", 0) or 0, repeat=args.repeat, command=_command(args, perf=True),
+        heads=f["heads"] or "random", decode_tokens=args.decode_tokens,
+        seed=f["seed"] or 0, repeat=args.repeat, command=_command(args, perf=True),
     )
     path = run_perf(config, say=_say)
     print(path.read_text(encoding="utf-8"))

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from localchat.planning.memory import cpu_model, max_rss_bytes  # noqa: F401 - device probes live in planning
 
 
 def hardware() -> dict:
@@ -62,7 +52,3 @@ def source_commit(root: Path = SOURCE_ROOT) -> str | None:
     return sha + ("+dirty" if changed else "")
 
 
-def max_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024

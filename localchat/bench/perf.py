@@ -31,6 +31,7 @@ import torch
 from localchat.bench import machine
 from localchat.bench.cell import Cell, load_engine, use_policy
 from localchat.bench.runner import MAX_LENGTH, MIN_LENGTH, default_chunk
+from localchat.engine.policies import POLICIES
 from localchat.bench.tasks import niah_single, prompt_messages
 from localchat.engine.events import Done, Error
 from localchat.engine.prefill import cache_kwarg
@@ -150,7 +151,7 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
 
     def cell(policy: str, budget: int | None, positions: str) -> Cell:
         return Cell(task="niah_single", length=config.length, policy=policy, budget=budget, n=1, seed=config.seed,
-                    model_spec=config.model, heads=config.heads if policy == "locret" else None,
+                    model_spec=config.model, heads=config.heads if "heads" in POLICIES[policy].fields() else None,
                     chunk=config.chunk or default_chunk(config.model), positions=positions,
                     max_new_tokens=config.decode_tokens)
 

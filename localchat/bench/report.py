@@ -28,8 +28,8 @@ def load_rows(directory: Path) -> list[dict]:
     rows = read_rows(path)
     if not rows:
         raise UserError(f"{path} holds no results yet")
-    for row in rows:  # LOCRET runs with different heads are different rows of every table
-        if row["policy"] == "locret" and row.get("heads"):
+    for row in rows:  # runs with different retaining heads are different rows of every table
+        if row.get("heads"):
             row["policy"] = f"locret[{Path(str(row['heads'])).name}]"
         for name in ("weights", "kv"):  # quantized runs are rows of their own
             if row.get(name):

@@ -76,11 +76,12 @@ def check(config: BenchConfig) -> None:
     for length in config.lengths:
         if not MIN_LENGTH <= length <= MAX_LENGTH:
             raise UserError(f"length {length} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
-    if config.sparse_prefill is not None and "omnikv" not in config.policies:
-        raise UserError("--sparse-prefill applies to omnikv; add omnikv to --policies or drop --sparse-prefill")
+    takes = [p for p in POLICIES if "prefill_ratio" in POLICIES[p].options]
+    if config.sparse_prefill is not None and not set(takes) & set(config.policies):
+        raise UserError(f"--sparse-prefill applies to {', '.join(takes)}; add it to --policies or drop --sparse-prefill")
     if config.sparse_prefill is not None and config.sparse_prefill <= 0:
         raise UserError(f"--sparse-prefill must be above 0 (the paper's R = 2), not {config.sparse_prefill:g}")
-    if any(POLICIES[p].evicts or POLICIES[p].selects for p in config.policies) and not config.budgets:
+    if any(POLICIES[p].uses_budget() for p in config.policies) and not config.budgets:
         raise UserError("evicting (and selecting) policies need --budgets")
     for value, what in [*((b, "budget") for b in config.budgets), (config.n, "-n"),
                         (config.chunk, "--chunk"), (config.answer_tokens, "--answer-tokens")]:
@@ -90,19 +91,16 @@ def check(config: BenchConfig) -> None:
         raise UserError("--turns must be 0 or more")
     if config.positions is not None and config.positions not in POSITION_MODES:
         raise UserError(f"unknown position mode {config.positions!r}; choose from: {', '.join(POSITION_MODES)}")
-    if "locret" in config.policies and not config.heads and not _ships_heads(config.model):
-        raise UserError("locret needs retaining heads and none ship for this model yet; pass --heads DIR, "
+    needs_heads = [p for p in config.policies if "heads" in POLICIES[p].fields()]
+    if needs_heads and not config.heads and not _ships_heads(config.model):
+        raise UserError(f"{needs_heads[0]} needs retaining heads and none ship for this model yet; pass --heads DIR, "
                         "or --heads random (an ablation)")
 
 
 def _ships_heads(model: str | None) -> bool:
-    from types import SimpleNamespace
+    from localchat.planning.resolve import card_for, shipped_heads_dir
 
-    from localchat.engine.cards import default_card, find_card
-    from localchat.engine.policy_setup import shipped_heads_dir
-
-    card = default_card() if model is None else find_card(model)
-    return shipped_heads_dir(SimpleNamespace(card=card)) is not None
+    return shipped_heads_dir(card_for(model)) is not None
 
 
 def default_chunk(model: str | None) -> int:
@@ -123,14 +121,15 @@ def plan(config: BenchConfig) -> list[Cell]:
                 cls = POLICIES[policy]
                 evicts = cls.evicts
                 for budget, turns, weights, kv in itertools.product(
-                        config.budgets if evicts or cls.selects else [None],
+                        config.budgets if cls.uses_budget() else [None],
                         (config.turns or [None]) if task == "multiturn" else [None], config.weights, config.kv):
                     cells.append(Cell(
                         task=task, length=length, policy=policy, budget=budget, n=config.n, seed=config.seed,
-                        model_spec=config.model, heads=config.heads if policy == "locret" else None, chunk=chunk,
+                        model_spec=config.model, heads=config.heads if "heads" in cls.fields() else None, chunk=chunk,
                         positions=config.positions or (cls.default_positions if evicts else "original"),
                         max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task], turns=turns,
-                        weights=weights, kv=kv, sparse_prefill=config.sparse_prefill if policy == "omnikv" else None,
+                        weights=weights, kv=kv,
+                        sparse_prefill=config.sparse_prefill if "prefill_ratio" in cls.options else None,
                     ))
     return cells
 

@@ -151,6 +151,11 @@ class KVCache(Cache):
         super().__init__(layers=[KVLayer(reserve) for _ in range(num_layers)])
         self.positions = positions
         self.inv_freq = inv_freq
+        # What a policy keeps beside the cache, e.g. layers whose units live in host memory. It has `device`
+        # (where the units are used), `owner` (the policy class that keeps it), `rollback()` (a forward failed:
+        # drop what was copied in for it) and `restore(cache)` (another policy takes the cache: bring every
+        # unit back as plain layers and end the extension).
+        self.extension = None
 
     def set_pending_positions(self, positions: torch.Tensor) -> None:
         for layer in self.layers:
@@ -185,6 +190,6 @@ class KVCache(Cache):
         copy = KVCache(len(self.layers), reserve=self.layers[0].reserve, positions=self.positions,
                        inv_freq=self.inv_freq)
         tensors = self.tensors()
-        bank = getattr(self, "bank", None)  # OmniKV --offload: some layers' units are in host memory
-        copy.load_tensors({k: v.to(bank.device) for k, v in tensors.items()} if bank is not None else tensors)
+        ext = self.extension  # some layers' units may live elsewhere (host memory)
+        copy.load_tensors({k: v.to(ext.device) for k, v in tensors.items()} if ext is not None else tensors)
         return copy

@@ -17,7 +17,7 @@ from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
-from localchat.engine.policies import Policy, make_policy
+from localchat.engine.policies import PLAIN_POLICY, Policy, make_policy
 from localchat.engine.qattention import FusedDecode
 from localchat.engine.qcache import KV_CHOICES, QuantizedKVCache, kv_bits
 from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
@@ -37,13 +37,15 @@ class Engine:
         self.weights: str | None = None  # the --weights the model was loaded with (None: as stored)
         self.kv = kv or "none"  # retained units stored quantized: int8 / int4 / int2 (engine/qcache.py)
         self.fused_decode = True  # decode on a quantized cache reads it packed (engine/qattention.py)
+        self.admit = None  # (engine, prompt units, max new, held units) -> None, raising UserError: a memory check
+        self.spec = None  # the RunSpec it was loaded from (localchat/config.py), when it was
         if self.kv not in KV_CHOICES:
             raise UserError(f"unknown --kv {self.kv!r}; choose one of: {', '.join(KV_CHOICES)}")
         self.tokenizer = tokenizer
         self.name = name
         self.card = card
         self.chunk = chunk or int((card.locret.get("chunk") if card else 0) or DEFAULT_CHUNK)
-        self.set_policy(policy or make_policy("full"), positions)
+        self.set_policy(policy or make_policy(PLAIN_POLICY), positions)
         self.device = next(model.parameters()).device
         self.window = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.stop_ids = self._stop_ids()
@@ -51,8 +53,8 @@ class Engine:
     @classmethod
     def load(cls, spec: str | None = None, *, chunk: int | None = None, device: torch.device | None = None,
              policy: Policy | None = None, positions: str | None = None, say=loading._stderr,
-             weights: str | None = None, kv: str | None = None) -> "Engine":
-        loaded = loading.load(spec, device=device, say=say, weights=weights)
+             weights: str | None = None, kv: str | None = None, before_weights=None) -> "Engine":
+        loaded = loading.load(spec, device=device, say=say, weights=weights, before_weights=before_weights)
         engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk,
                      policy=policy, positions=positions, kv=kv)
         engine.weights = weights
@@ -125,7 +127,8 @@ class Engine:
             if not prompt_ids:
                 raise UserError("nothing to read: the prompt is empty")
             self._check_window(first_pos + len(prompt_ids))
-            self._check_memory(len(prompt_ids), settings.max_new_tokens, cache.get_seq_length() if cache is not None else 0)
+            if self.admit is not None:  # refuse, before reading, what memory cannot hold (planning/load.py)
+                self.admit(self, len(prompt_ids), settings.max_new_tokens, cache.get_seq_length() if cache is not None else 0)
             if cache is None:
                 cache = self.new_cache(len(prompt_ids), settings.max_new_tokens)
             yield from self._generate(cache, prompt_ids, first_pos, settings, cancel, keep_last)
@@ -136,8 +139,7 @@ class Engine:
 
     def new_cache(self, prompt_tokens: int = 0, max_new: int = 0) -> KVCache:
         """An empty cache for the current policy, its first allocation sized for the expected peak."""
-        p = self.policy
-        reserve = p.peak_units(prompt_tokens, self.chunk, max_new)
+        reserve = peak_units(self.policy, prompt_tokens, self.chunk, max_new)
         inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
         if self.kv != "none":
             return QuantizedKVCache(self.model.config.num_hidden_layers, kv_bits(self.kv), reserve=reserve,
@@ -171,36 +173,6 @@ class Engine:
                 f"--positions compact, or shorten the document"
             )
 
-    def _check_memory(self, prompt_units: int, max_new: int, held: int = 0) -> None:
-        """A policy that keeps every token (full, SAGE-KV, OmniKV) needs the new tokens' K and V in memory:
-        refuse, before reading, what the free memory cannot hold (instead of running out mid-way). With
-        OmniKV --offload on a GPU the offloaded layers' share of the prompt goes to host memory; reading
-        streams two of them, whole (the `held` units too), through the GPU, and the answer stays there."""
-        from localchat.engine.memory import GIB, Shape, detect, dtype_name, kv_unit_bytes, split_bytes
-        from localchat.planner import DEFAULT_MARGIN
-
-        p = self.policy
-        if p.bounded():
-            return
-        kind = "cuda" if self.device.type == "cuda" else "cpu"
-        act = dtype_name(self.model.get_input_embeddings().weight.dtype)  # embeddings keep the activation dtype
-        unit = kv_unit_bytes(Shape.from_config(self.model.config), act)  # one token, every layer
-        new_units = prompt_units + max_new
-        depth = self.model.config.num_hidden_layers
-        off = p.offloaded_layers(depth) if kind == "cuda" else 0
-        on_device, in_host = split_bytes(unit, depth, off, prompt_units, max_new, held)
-        free = detect(kind).free - DEFAULT_MARGIN[kind]
-        if on_device > free:
-            where = f" on the GPU ({off} offloaded layers' share goes to host memory)" if off else ""
-            raise UserError(f"{p.name} keeps every token: {new_units:,} more need {on_device / GIB:.1f} GiB{where} "
-                            f"but {max(free, 0) / GIB:.1f} GiB is free (after a margin); use --policy locret "
-                            f"(a bounded cache) or a shorter document")
-        host_free = detect("cpu").free - DEFAULT_MARGIN["cpu"] if off else 0
-        if off and in_host > host_free:
-            raise UserError(f"{p.name} --offload keeps {off} layers in host memory: {prompt_units:,} more tokens need "
-                            f"{in_host / GIB:.1f} GiB there but {max(host_free, 0) / GIB:.1f} GiB is free; "
-                            f"use --policy locret (a bounded cache) or a shorter document")
-
     @torch.inference_mode()
     def _generate(self, cache: KVCache, prompt_ids: list[int], first_pos: int, settings: GenerationSettings,
                   cancel: threading.Event | None, keep_last: bool) -> Iterator[Event]:
@@ -215,6 +187,9 @@ class Engine:
         new = 0
         reason = "length"
         fused = None
+        ext = cache.extension
+        if ext is not None and not isinstance(p, ext.owner):  # another policy kept units elsewhere: bring them back
+            ext.restore(cache)
         p.attach(self.model, cache)
         try:
             if p.evicts and cache.get_seq_length() > p.budget:  # an earlier turn: compress the history
@@ -268,6 +243,14 @@ class Engine:
             ttft_s=ttft, stop_reason=reason, kv_tokens=held, kv_bytes=cache.nbytes(),
             kv_full_bytes=_unit_bytes(cache, held) * (first_pos + n + max(new - 1, 0)),
         )
+
+
+def peak_units(policy: Policy, prompt_tokens: int, chunk: int, max_new: int) -> int:
+    """The cache's peak length per KV head for a prompt (what the engine reserves and the planner plans for)."""
+    if policy.bounded():
+        grow = min(max_new, 2 * policy.decode_window) if policy.decode_window else max_new
+        return policy.budget + chunk + policy.local + grow
+    return prompt_tokens + max_new
 
 
 def _unit_bytes(cache: KVCache, held: int) -> int:

@@ -2,7 +2,7 @@
 
 R(x_k) = fc2(act(fc1([Q_k | K_k | V_k])))  with Q, K, V the pre-RoPE projections of token k (bias
 included), fc1: (H_q + 2·H_kv)·d_head -> d_R and fc2: d_R -> H_kv, no biases, act = the model's
-hidden_act (specs/locret.md §2.3). Weights are safetensors with a JSON config next to them.
+hidden_act (docs/methods/locret.md §2.3). Weights are safetensors with a JSON config next to them.
 """
 
 from __future__ import annotations

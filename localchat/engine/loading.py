@@ -61,8 +61,9 @@ def resolve(spec: str | None, say: Say = _stderr) -> tuple[str, ModelCard | None
 
 
 def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtype | None = None,
-         say: Say = _stderr, weights: str | None = None) -> Loaded:
-    """`weights`: fp32 / bf16 / fp16 / int8 / int4 / nf4 (engine/quantize.py); None = the device's dtype."""
+         say: Say = _stderr, weights: str | None = None, before_weights=None) -> Loaded:
+    """`weights`: fp32 / bf16 / fp16 / int8 / int4 / nf4 (engine/quantize.py); None = the device's dtype.
+    `before_weights(device, dtype)` runs after the tokenizer loads, just before the weights do (memory baselines)."""
     from localchat.engine import quantize
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,6 +87,8 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
     hub_logger.setLevel(logging.ERROR)  # its retry warnings would bury the one-line error
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        if before_weights is not None:
+            before_weights(device, dtype)
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation="sdpa", local_files_only=local, **extra
         )

@@ -94,9 +94,8 @@ def _rollback(cache: KVCache, lengths: list[int]) -> None:
         extra = layer.get_seq_length() - n
         if extra > 0:
             layer.crop(-extra)
-    bank = getattr(cache, "bank", None)
-    if bank is not None:  # OmniKV --offload: drop what was copied in for the failed chunk
-        bank.release()
+    if cache.extension is not None:  # drop what was copied in for the failed chunk
+        cache.extension.rollback()
 
 
 def _free_memory(device: torch.device) -> None:

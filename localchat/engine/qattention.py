@@ -16,6 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from localchat.kernels.qattn import decode_attention
+from localchat.kernels.quant import group_size
 
 QATTN_IMPL = "localchat_qattn"
 _pending = threading.local()
@@ -32,8 +33,6 @@ def quant_attention(module, query, key, value, attention_mask, scaling=None, dro
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    from localchat.engine.qcache import group_size
-
     # one query against every kept unit: no mask is needed (decoding sees the whole cache)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     d = layer.head_dim
@@ -49,7 +48,7 @@ class FusedDecode:
     """Switch `model` to the fused attention and the layers of `cache` to defer, if both can; `close()` undoes."""
 
     def __init__(self, model, cache):
-        from localchat.engine.policies.attention_stats import AttentionSwitch
+        from localchat.engine.attention import AttentionSwitch
         from localchat.errors import UserError
 
         self.switch = None

@@ -27,12 +27,12 @@ from __future__ import annotations
 import torch
 
 from localchat.engine.cache import KVCache, KVLayer
+from localchat.engine.rope import rope_table, rotate
+from localchat.kernels.quant import GROUP, SCALE_DTYPE, dequantize, group_size, pack, quantize, unpack  # noqa: F401
 
 KV_BITS = {"int8": 8, "int4": 4, "int2": 2}
 KV_CHOICES = ("none", *KV_BITS)
-GROUP = 64  # elements of head_dim per scale (fewer when head_dim is smaller)
 RESIDUAL = 128  # without an eviction, the tail is quantized once it holds this many units
-SCALE_DTYPE = torch.float16
 QUANT_KEYS = ("qk", "ks", "kz", "qv", "vs", "vz")  # tensors() names of the quantized part
 
 
@@ -43,98 +43,6 @@ def kv_bits(kv: str | None) -> int:
     if kv not in KV_BITS:
         raise ValueError(f"unknown KV cache type {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
     return KV_BITS[kv]
-
-
-def group_size(head_dim: int) -> int:
-    g = min(GROUP, head_dim)
-    while head_dim % g:
-        g //= 2
-    return g
-
-
-# --- quantize / pack ---------------------------------------------------------------------------------------
-
-
-def _affine_codes(x: torch.Tensor, bits: int, g: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """uint8 codes `[..., d]` of `x` `[..., d]` with `scale`/`zero` `[..., d/g]` (quanto's op when present)."""
-    flat = x.reshape(-1, g).float()
-    s, z = scale.reshape(-1, 1).float(), zero.reshape(-1, 1).float()
-    op = getattr(getattr(torch.ops, "quanto", None), "quantize_affine", None) if _quanto_ops() else None
-    if op is not None:
-        codes = op(flat, bits, 0, g, s, -z)
-    else:
-        codes = torch.round((flat - z) / s).clamp(0, 2**bits - 1).to(torch.uint8)
-    return codes.reshape(x.shape)
-
-
-_QUANTO: bool | None = None
-
-
-def _quanto_ops() -> bool:
-    global _QUANTO
-    if _QUANTO is None:
-        try:
-            import optimum.quanto.library  # noqa: F401 - registers torch.ops.quanto.*
-
-            _QUANTO = True
-        except Exception:  # noqa: BLE001 - the plain torch formula is the same
-            _QUANTO = False
-    return _QUANTO
-
-
-def quantize(x: torch.Tensor, bits: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`x` `[..., d]` -> (packed codes `[..., d*bits/8]` uint8, scale `[..., d/g]`, zero `[..., d/g]` fp16)."""
-    groups = x.float().reshape(*x.shape[:-1], -1, g)
-    lo, hi = groups.amin(-1), groups.amax(-1)
-    scale = ((hi - lo) / (2**bits - 1)).clamp_min(1e-6).to(SCALE_DTYPE)
-    zero = lo.to(SCALE_DTYPE)
-    return pack(_affine_codes(x, bits, g, scale, zero), bits), scale, zero
-
-
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, g: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The inverse of quantize: `[..., d]` in `dtype` (computed in fp32)."""
-    codes = unpack(packed, bits).float()
-    x = codes.reshape(*codes.shape[:-1], -1, g) * scale.float()[..., None] + zero.float()[..., None]
-    return x.reshape(codes.shape).to(dtype)
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes `[..., d]` (values < 2^bits) -> `[..., d*bits/8]`; byte j holds codes j*k .. j*k+k-1 (k = 8/bits)."""
-    if bits == 8:
-        return codes
-    k = 8 // bits
-    c = codes.reshape(*codes.shape[:-1], -1, k)
-    out = c[..., 0].clone()
-    for j in range(1, k):
-        out |= c[..., j] << (bits * j)
-    return out
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return packed
-    k = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed[..., None] >> shifts) & (2**bits - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * k)
-
-
-def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (rotate-half layout) of `keys` `[1, H, n, d]` with `cos`/`sin` `[n, d]` or `[H, n, d]`, in fp32."""
-    k = keys.float()
-    half = k.shape[-1] // 2
-    return k * cos + torch.cat([-k[..., half:], k[..., :half]], dim=-1) * sin
-
-
-def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[*positions.shape, d]` fp32 for integer `positions`."""
-    angles = positions.float()[..., None] * inv_freq.to(positions.device, torch.float32)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-# --- the layer -----------------------------------------------------------------------------------------
 
 
 class QuantizedKVLayer(KVLayer):
@@ -205,7 +113,7 @@ class QuantizedKVLayer(KVLayer):
         keys = self._tk[:, :, :nt]
         if self.inv_freq is not None:  # compact: store at RoPE position 0
             cos, sin = rope_table(torch.arange(self.nq, self.n, device=keys.device), self.inv_freq)
-            keys = _rotate(keys, cos, -sin)  # the inverse rotation
+            keys = rotate(keys, cos, -sin)  # the inverse rotation
         for (qn, sn, zn), x in ((("qk", "ks", "kz"), keys), (("qv", "vs", "vz"), self._tv[:, :, :nt])):
             codes, scale, zero = quantize(x, self.bits, g)
             self._q[qn][:, :, self.nq : self.n] = codes

@@ -1,4 +1,4 @@
-"""Labels for retaining heads (specs/locret.md §3.1) and the features they are trained on.
+"""Labels for retaining heads (docs/methods/locret.md §3.1) and the features they are trained on.
 
 For every prompt token k, layer l and KV head j:
     logit[l, j, k] = max over answer rows p and the query heads of j's GQA group of q_p·k_k/√d

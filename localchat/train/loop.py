@@ -1,4 +1,4 @@
-"""Training loop for retaining heads (specs/locret.md §3.2-3.3): backbone frozen, heads only.
+"""Training loop for retaining heads (docs/methods/locret.md §3.2-3.3): backbone frozen, heads only.
 
 Loss per sample = mean over layers, KV heads and tokens of SmoothL1(pred, label)
                   + 0.0025 · Σ_layers mean over heads and adjacent token pairs of (pred_k - pred_k+1)²

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from textual.app import App, SystemCommand
 
 from localchat.documents import DEFAULT_MAX_BYTES
+from localchat.config import RunSpec
 from localchat.engine.sampling import GenerationSettings
 from localchat.tui import commands, keys
 from localchat.tui.widgets.status import device_memory
@@ -18,16 +19,16 @@ class LocalChatApp(App):
     TITLE = "localchat"
 
     def __init__(self, engine=None, *, loader: Callable | None = None, settings: GenerationSettings | None = None,
-                 policy_args: dict | None = None, max_bytes: int = DEFAULT_MAX_BYTES, store_path=None,
+                 spec: RunSpec | None = None, max_bytes: int = DEFAULT_MAX_BYTES, store_path=None,
                  memory_probe: Callable | None = None, keymap: dict[str, str] | None = None):
         super().__init__()
         self.engine = None
         self.session = None
         self.chat_name: str | None = None
         self.loader = loader
-        self.settings = settings or GenerationSettings()
-        self.policy_args = dict(policy_args or {})  # policy_for() keywords from the flags + positions
-        self.profile_name: str | None = None  # the device profile in force (/profile)
+        self.spec = spec  # the run's settings (localchat/config.py); the loaded engine's own once it loads
+        self.settings = settings or (spec.generation if spec is not None else GenerationSettings())
+        self.profile_name: str | None = spec.profile if spec is not None else None  # the device profile (/profile)
         self.max_bytes = max_bytes
         self.store_path = store_path
         self.memory_probe = memory_probe or device_memory
@@ -50,6 +51,8 @@ class LocalChatApp(App):
 
     def use_engine(self, engine) -> None:
         self.engine = engine
+        self.spec = engine.spec or self.spec or spec_of(engine)
+        self.profile_name = self.spec.profile
         self.new_session()
 
     def new_session(self) -> None:
@@ -69,40 +72,37 @@ class LocalChatApp(App):
         return list(POLICIES)
 
     def change_policy(self, name: str | None = None, budget: int | None = None) -> None:
-        """Rebuild the policy (policy_setup) with a new name or budget; raises UserError."""
-        from localchat.engine.policy_setup import policy_for
+        """Another policy or budget, resolved as at start-up from what the user asked; raises UserError."""
+        from localchat.planning.resolve import with_policy
 
-        args = dict(self.policy_args)
-        positions = args.pop("positions", None)
-        if budget is not None:
-            args["budget"] = budget
-        name = name or self.engine.policy.name
-        policy = policy_for(self.engine, name, **_for_policy(name, args))
-        self.session.set_policy(policy, positions)
-        if budget is not None:
-            self.policy_args["budget"] = budget
+        self._use_spec(with_policy(self.spec, self.engine.card, self.engine.device.type, name, budget=budget))
+
+    def _use_spec(self, spec: RunSpec) -> None:
+        from localchat.planning.load import build_policy
+
+        policy = build_policy(self.engine, spec.policy)
+        self.session.set_policy(policy, spec.policy.positions)
+        self.engine.chunk = spec.chunk
+        self.engine.spec = self.spec = spec
 
     def use_profile(self, name: str) -> str:
         """Apply profile `name`'s policy, budget, n_s, n_loc, positions and chunk to this chat; returns
         what changed (raises UserError for an unknown name or a bad value)."""
-        from localchat import profiles
-        from localchat.engine.policy_setup import policy_for
+        from dataclasses import replace
+
+        from localchat.planning import profiles
+        from localchat.planning.resolve import with_policy
 
         profile = profiles.find(name)
         values = profile.values
-        args = dict(self.policy_args)
-        for key in ("budget", "stabilizers", "local", "positions"):
-            if key in values:
-                args[key] = values[key]
-        positions = args.pop("positions", None)
-        name = values.get("policy", self.engine.policy.name)
-        policy = policy_for(self.engine, name, **_for_policy(name, args))
+        changes = {k: values[k] for k in ("budget", "stabilizers", "local", "positions") if k in values}
+        spec = with_policy(self.spec, self.engine.card, self.engine.device.type, values.get("policy"), **changes)
         if "chunk" in values:
-            self.engine.chunk = int(values["chunk"])
-        self.session.set_policy(policy, positions)
-        self.policy_args = {**args, "positions": positions}
+            spec = replace(spec, chunk=int(values["chunk"]))
+        self._use_spec(replace(spec, profile=profile.name))
+        policy = self.engine.policy
         self.profile_name = profile.name
-        budget = f", budget {policy.budget:,}" if policy.evicts or policy.selects else ""
+        budget = f", budget {policy.budget:,}" if policy.uses_budget() else ""
         later = [k for k in ("model", "weights", "kv", "margin_mib") if k in values]
         rest = f" Restart with --profile {profile.name} for its {', '.join(later)}." if later else ""
         again = " The next question re-reads this chat once." if self.session.turns else ""
@@ -152,26 +152,22 @@ class LocalChatApp(App):
         await screen.run_command(commands.Command(name, ""))
 
 
-def _for_policy(name: str, args: dict) -> dict:
-    """policy_for() keywords for `name`: --offload and --sparse-prefill are OmniKV's alone."""
-    return {k: v for k, v in args.items() if k not in ("offload", "sparse_prefill") or name == "omnikv"}
+def spec_of(engine) -> RunSpec:
+    """The settings of an engine built without a RunSpec (tests, embedders): its policy as it stands."""
+    from localchat.config import PolicySpec
+
+    p = engine.policy
+    return RunSpec(policy=PolicySpec(p.name, p.budget if p.uses_budget() else None, p.local, engine.positions,
+                                     p.decode_window), model=None, chunk=engine.chunk, kv=engine.kv)
 
 
-def run_tui(args, settings) -> int:
-    """`localchat` with no subcommand: the chat window; the model loads in the background."""
-    from localchat.cli import load_engine
-
-    policy_args = {"budget": args.budget, "stabilizers": args.stabilizers, "local": args.local,
-                   "heads": args.heads, "decode_window": args.decode_window, "positions": args.positions,
-                   "offload": getattr(args, "offload", False), "sparse_prefill": getattr(args, "sparse_prefill", None)}
+def run_tui(spec: RunSpec, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
+    """`localchat` with no subcommand: the chat window; the plan is made and the model loads in the background."""
     def load():
-        engine = load_engine(args)  # applies the profile and the plan to args
-        app.policy_args.update({k: getattr(args, k) for k in ("budget", "stabilizers", "local", "positions")})
-        resolved = getattr(args, "_resolved", None)
-        app.profile_name = resolved.profile.name if resolved is not None and resolved.profile else None
-        return engine
+        from localchat.planning.load import load_engine
+        from localchat.planning.resolve import complete
 
-    app = LocalChatApp(loader=load, settings=settings, policy_args=policy_args,
-                       max_bytes=int(args.max_file_mb * 1024 * 1024))
-    app.run()
+        return load_engine(complete(spec))
+
+    LocalChatApp(loader=load, spec=spec, max_bytes=max_bytes).run()
     return 0

@@ -65,7 +65,7 @@ class CommandHandlers:
     async def cmd_budget(self, arg: str) -> None:
         if not re.fullmatch(r"\d+", arg) or int(arg) < 1:
             raise UserError(f"/budget needs a whole number of units, at least 1 (got {arg or 'nothing'})")
-        if not (self.app.engine.policy.evicts or self.app.engine.policy.selects):
+        if not self.app.engine.policy.uses_budget():
             raise UserError(f"policy {self.app.engine.policy.name} keeps every token, so it has no budget; "
                             f"/policy locret first")
         self.app.change_policy(budget=int(arg))
@@ -81,7 +81,7 @@ class CommandHandlers:
         self.refresh_status()
 
     async def cmd_profile(self, arg: str) -> None:
-        from localchat import profiles
+        from localchat.planning import profiles
 
         known = ", ".join(profiles.all_profiles())
         if arg:
@@ -95,14 +95,14 @@ class CommandHandlers:
             self.note(f"no model loaded yet. Profiles: {known}")
             return
         policy = engine.policy
-        budget = f"{policy.budget:,}" if policy.evicts or policy.selects else "none (keeps everything)"
+        budget = f"{policy.budget:,}" if policy.uses_budget() else "none (keeps everything)"
         settings = self.app.settings
-        plan = getattr(engine, "plan", None)
+        plan = self.app.spec.plan if self.app.spec is not None else None
         lines = [f"model {engine.name} on {engine.device.type}; policy {policy.name}, budget {budget}, "
                  f"chunk {engine.chunk:,}, positions {engine.positions}; answers up to "
                  f"{settings.max_new_tokens} tokens, temperature {settings.temperature}.",
                  f"profile: {self.app.profile_name or 'none'}. Profiles: {known} (/profile NAME applies one)."]
-        if plan is not None and hasattr(plan, "lines"):
+        if plan is not None:
             lines += plan.lines()
         self.note("\n".join(lines))
 

@@ -22,7 +22,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from localchat.engine.heads import attention_modules
+from localchat.engine.attention import AttentionSwitch
 
 STATS_IMPL = "localchat_stats"
 _ATTR = "_localchat_collector"
@@ -80,30 +80,6 @@ def stats_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 AttentionInterface.register(STATS_IMPL, stats_attention)
 AttentionMaskInterface.register(STATS_IMPL, sdpa_mask)
-
-
-class AttentionSwitch:
-    """Switch `model` to the registered attention function `impl` and set `attr` = `payload` on every
-    attention layer (the function reads it there); `close()` restores the model."""
-
-    def __init__(self, model, impl: str, attr: str, payload):
-        from localchat.errors import UserError
-
-        self.model, self.attr = model, attr
-        self.previous = model.config._attn_implementation
-        self.modules = attention_modules(model)
-        model.set_attn_implementation(impl)
-        if model.config._attn_implementation != impl:
-            raise UserError(f"{type(model).__name__} cannot switch its attention function; this policy needs it")
-        for m in self.modules:
-            setattr(m, attr, payload)
-
-    def close(self) -> None:
-        for m in self.modules:
-            if hasattr(m, self.attr):
-                delattr(m, self.attr)
-        if self.model.config._attn_implementation != self.previous:
-            self.model.set_attn_implementation(self.previous)
 
 
 class StatsHook(AttentionSwitch):

@@ -1,5 +1,5 @@
 """CORM (Dai et al., 2024, "CORM: Cache Optimization with Recent Message for Large Language Model Inference";
-specs/corm.md)."""
+docs/methods/corm.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from localchat.engine.policies.attention_stats import Collector, StatsHook, rows_bytes
-from localchat.engine.policies.base import PROTECT, Policy, follow, protect_recent
+from localchat.engine.policies.base import Policy, follow
 
 
 @dataclass
@@ -50,7 +50,7 @@ class CORM(Policy):
     notice says so after prefill. Positions stay absolute. Defaults: window w = 256 (the paper's "256+256"),
     recent None = min(256, budget // 2) (the paper's r = 256, at most half the cap), budget 1024 as the cap,
     local 96 (the engine's question tail).
-    Paper: CORM, Dai et al. 2024 (specs/corm.md).
+    Paper: CORM, Dai et al. 2024 (docs/methods/corm.md).
     """
 
     name = "corm"
@@ -121,11 +121,13 @@ class CORM(Policy):
             self.capped += 1
         return min(want, self.budget)
 
-    def priority(self, layer, layer_idx, last_chunk):
-        """Votes (how many recent queries found the key important) + its latest attention; recent protected."""
+    def score(self, layer, layer_idx):
+        """Votes (how many recent queries found the key important) + its latest attention."""
         m = self.aligned(layer_idx, layer)
-        prio = m.rows.sum(dim=1).float() + layer.scores
-        return protect_recent(prio, self.recent_size)
+        return m.rows.sum(dim=1).float() + layer.scores
+
+    def protected_recent(self, last_chunk: bool) -> int:
+        return self.recent_size
 
     def notice(self) -> str | None:
         if not self.capped:

@@ -1,5 +1,5 @@
 """H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
-Language Models"), in its chunked-prefill form (specs/locret.md §4, README §2 "H2O+")."""
+Language Models"), in its chunked-prefill form (docs/methods/locret.md §4, docs/methods/README.md §2 "H2O+")."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum, rows_bytes
-from localchat.engine.policies.base import Policy, protect_recent
+from localchat.engine.policies.base import Policy
 
 
 @dataclass
@@ -43,8 +43,8 @@ class H2O(Policy):
         for i, layer in enumerate(cache.layers):
             layer.scores.add_(self.pending.pop(i).to(layer.scores.device))
 
-    def priority(self, layer, layer_idx, last_chunk):
-        return protect_recent(layer.scores.clone(), self.recent_size)
+    def protected_recent(self, last_chunk: bool) -> int:
+        return self.recent_size
 
     def score_bytes(self, layers, q_heads, kv_heads, chunk, n) -> int:
         return rows_bytes(q_heads, chunk, n)  # every query of the chunk

@@ -1,5 +1,5 @@
 """LOCRET (Huang et al., 2024, "Locret: Enhancing Eviction in Long-Context LLM Inference with Trained
-Retaining Heads"; specs/locret.md)."""
+Retaining Heads"; docs/methods/locret.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from localchat.engine.heads import HeadScorer, RetainingHeads
-from localchat.engine.policies.base import Policy, protect_recent
+from localchat.engine.policies.base import Option, Policy
+from localchat.errors import UserError
 
 FLUSH_EVERY = 32  # decoded tokens queued before they are scored: the queue's Q, K, V stay small
 
@@ -25,15 +26,29 @@ class Locret(Policy):
 
     name = "locret"
     summary = "LOCRET: trained retaining heads score each unit; keep the top budget (default)"
+    options = {"stabilizers": Option("--stabilizers", int, "LOCRET n_s: newest units protected per chunk")}
     stabilizers: int = 256
     heads: RetainingHeads | None = field(default=None, repr=False)
     cache = None  # the attached cache (not a field): queued tokens are scored into it
 
+    def validate(self) -> None:
+        super().validate()
+        if self.stabilizers < 0:
+            raise UserError(f"--stabilizers must be >= 0 (got {self.stabilizers})")
+        if self.stabilizers >= self.budget:
+            raise UserError(f"--stabilizers ({self.stabilizers}) must be below --budget ({self.budget})")
+
+    @classmethod
+    def settle(cls, values, given):
+        """n_s from a card or profile that does not fit under the user's budget drops to budget // 4."""
+        budget, stab = values.get("budget"), values.get("stabilizers")
+        if "stabilizers" not in given and budget is not None and stab is not None and stab >= budget:
+            return {**values, "stabilizers": budget // 4}
+        return values
+
     def attach(self, model, cache) -> None:
         super().attach(model, cache)
         if self.heads is None:
-            from localchat.errors import UserError
-
             raise UserError("LOCRET needs retaining heads for this model; pass --heads DIR (or --heads random)")
         self.scorer = HeadScorer(model, self.heads)
         self.cache = cache
@@ -57,11 +72,13 @@ class Locret(Policy):
             end = layer.get_seq_length() - skip
             layer.scores[:, end - count:end] = scores
 
-    def priority(self, layer, layer_idx, last_chunk):
+    def score(self, layer, layer_idx):
         if self.cache is not None:  # attached: queued tokens get their scores first
             self._flush(self.cache)
-        prio = layer.scores.clone()
-        return prio if last_chunk else protect_recent(prio, self.stabilizers)
+        return layer.scores
+
+    def protected_recent(self, last_chunk: bool) -> int:
+        return 0 if last_chunk else self.stabilizers
 
     def detach(self) -> None:
         self._flush(self.cache)  # the answer's tokens keep their scores for the next turn

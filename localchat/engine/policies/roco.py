@@ -1,5 +1,5 @@
 """RoCo (Ren & Zhu, 2024, "On the Efficacy of Eviction Policy for Key-Value Constrained Generative Language
-Model Inference", arXiv 2402.06262; EasyKV defaults marked [code]; specs/roco.md)."""
+Model Inference", arXiv 2402.06262; EasyKV defaults marked [code]; docs/methods/roco.md)."""
 
 from __future__ import annotations
 
@@ -40,14 +40,19 @@ def mean_and_std(s: Stats) -> tuple[torch.Tensor, torch.Tensor]:
     return mas, (s.acc2 / s.count - mas * mas).clamp_(min=0).sqrt_()
 
 
-def roco_priority(s: Stats, positions: torch.Tensor, scope_out: int, sinks: int, last: int) -> torch.Tensor:
-    """MAS, with the `scope_out` highest-Std units, the first `sinks` positions and the `last` slots protected."""
+def scoped_mas(s: Stats, scope_out: int) -> torch.Tensor:
+    """MAS `[H_kv, n]` with the `scope_out` highest-Std units of each head out of the eviction scope (PROTECT)."""
     mas, std = mean_and_std(s)
     prio = mas.clone()
     r = min(scope_out, std.shape[-1])
     if r > 0:
         prio.scatter_(1, std.topk(r, dim=-1).indices, PROTECT)
-    return protect_recent(protect_first(prio, positions, sinks), last)
+    return prio
+
+
+def roco_priority(s: Stats, positions: torch.Tensor, scope_out: int, sinks: int, last: int) -> torch.Tensor:
+    """MAS, with the `scope_out` highest-Std units, the first `sinks` positions and the `last` slots protected."""
+    return protect_recent(protect_first(scoped_mas(s, scope_out), positions, sinks), last)
 
 
 @dataclass
@@ -64,7 +69,7 @@ class RoCo(Policy):
     None = budget // 2 (the paper's r = B/2), sinks 4 and last 10 ([code], EasyKV's prefill setting).
     While answering, units are scored but not evicted unless `decode_window` is set (the engine's rule for
     every policy: the question tail and the answer stay whole); the spec evicts at every step past B.
-    Paper: RoCo, arXiv 2402.06262 (specs/roco.md).
+    Paper: RoCo, arXiv 2402.06262 (docs/methods/roco.md).
     """
 
     name = "roco"
@@ -121,9 +126,14 @@ class RoCo(Policy):
             s.count += seen_counts(n, t, s.acc.device)
             layer.scores.copy_(s.acc / s.count)
 
-    def priority(self, layer, layer_idx, last_chunk):
-        s = self.aligned(layer_idx, layer)
-        return roco_priority(s, layer.positions, self.scope_out_size, self.sinks, self.last)
+    def score(self, layer, layer_idx):
+        return scoped_mas(self.aligned(layer_idx, layer), self.scope_out_size)
+
+    def protected_first(self) -> int:
+        return self.sinks
+
+    def protected_recent(self, last_chunk: bool) -> int:
+        return self.last
 
     def score_bytes(self, layers, q_heads, kv_heads, chunk, n) -> int:
         return rows_bytes(q_heads, chunk, n) + 2 * 4 * kv_heads * chunk * n  # + the group mean and its square

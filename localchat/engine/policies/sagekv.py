@@ -1,5 +1,5 @@
 """SAGE-KV (SambaNova, 2025, "LLMs Know What to Drop: Self-Attention Guided KV Cache Eviction for Efficient
-Long-Context Inference", arXiv 2503.08879; specs/sage-kv.md)."""
+Long-Context Inference", arXiv 2503.08879; docs/methods/sage-kv.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from localchat.engine.policies.base import PROTECT, Policy
 
 
 def split(budget: int, group: int) -> tuple[int, int, int]:
-    """(sinks S, per-query-head k, recent R) for budget B and query-group size G (spec §2.4):
+    """(sinks S, per-query-head k, recent R) for budget B and query-group size G (docs/methods/sage-kv.md §2.4):
     S = B/4, k = B/(2G), R = B - S - G·k - 1 (the last prompt token is the +1, counted inside B)."""
     sinks = budget // 4
     k = budget // (2 * group)
@@ -51,7 +51,7 @@ class SageKV(Policy):
     In a multi-turn chat the selection is re-run at the end of each turn's prompt over the whole cache.
     GQA: the cache holds units per KV head, so a KV head keeps the union of its G query heads' top-k,
     filled to G·k by the group's max logit (the spec's §2.5 variant; `select_middle`).
-    Paper: SAGE-KV, arXiv 2503.08879 (specs/sage-kv.md).
+    Paper: SAGE-KV, arXiv 2503.08879 (docs/methods/sage-kv.md).
     """
 
     name = "sagekv"
@@ -86,10 +86,9 @@ class SageKV(Policy):
             layer.scores.copy_(fixed.float() * PROTECT)
         self.last.clear()
 
-    def priority(self, layer, layer_idx, last_chunk):
+    def score(self, layer, layer_idx):
         """Fixed units first, then the newest (the recent window)."""
-        prio = layer.positions.float()
-        return prio.masked_fill_(layer.scores >= PROTECT, PROTECT)
+        return layer.positions.float().masked_fill_(layer.scores >= PROTECT, PROTECT)
 
     def detach(self) -> None:
         self.hook.close()

@@ -1,5 +1,5 @@
 """SirLLM (Yao et al., 2024, "SirLLM: Streaming Infinite Retentive LLM"), run after every prefill
-chunk as LOCRET's paper did (specs/locret.md §4; README §2)."""
+chunk as LOCRET's paper did (docs/methods/locret.md §4; docs/methods/README.md §2)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localchat.engine.policies.base import Policy, protect_first, protect_recent
+from localchat.engine.policies.base import Policy
 
 
 @dataclass
@@ -64,9 +64,11 @@ class SirLLM(Policy):
         for layer in cache.layers:
             layer.scores[:, -n_new:] = h.to(layer.scores.device)
 
-    def priority(self, layer, layer_idx, last_chunk):
-        prio = protect_recent(layer.scores.clone(), self.recent_size)
-        return protect_first(prio, layer.positions, self.start)
+    def protected_first(self) -> int:
+        return self.start
+
+    def protected_recent(self, last_chunk: bool) -> int:
+        return self.recent_size
 
     def detach(self) -> None:
         self.handle.remove()

@@ -1,5 +1,5 @@
 """SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"), run after
-every prefill chunk as LOCRET's paper did (specs/locret.md §4)."""
+every prefill chunk as LOCRET's paper did (docs/methods/locret.md §4)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum, rows_bytes
-from localchat.engine.policies.base import Policy, protect_recent
+from localchat.engine.policies.base import Policy
 
 
 @dataclass
@@ -41,8 +41,8 @@ class SnapKV(Policy):
         for i, layer in enumerate(cache.layers):
             layer.scores.copy_(self.pending.pop(i))
 
-    def priority(self, layer, layer_idx, last_chunk):
-        return protect_recent(layer.scores.clone(), self.window)
+    def protected_recent(self, last_chunk: bool) -> int:
+        return self.window  # the observation window itself
 
     def score_bytes(self, layers, q_heads, kv_heads, chunk, n) -> int:
         return rows_bytes(q_heads, min(self.window, chunk), n)

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from localchat.engine.policies.base import Policy, protect_first
+from localchat.engine.policies.base import Policy
 
 
 @dataclass
@@ -18,6 +18,8 @@ class Streaming(Policy):
     summary = "StreamingLLM: attention sinks + the most recent tokens"
     sinks: int = 4
 
-    def priority(self, layer, layer_idx, last_chunk):
-        prio = layer.positions.float()
-        return protect_first(prio, layer.positions, self.sinks)
+    def score(self, layer, layer_idx):
+        return layer.positions.float()
+
+    def protected_first(self) -> int:
+        return self.sinks

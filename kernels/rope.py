@@ -1,0 +1,36 @@
+"""RoPE on cached keys (rotate-half layout, fp32 math), shared by the engine's caches and the kernels' twins.
+
+RoPE is a rotation per frequency pair, so a key rotated at position p becomes the key at position
+p + delta by one more rotation of angle delta * inv_freq. The model's own `inv_freq` (with any
+llama3 / linear scaling already folded in) is used; the attention scaling of YaRN-style RoPE is not
+applied again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half layout) of `keys` `[1, H, n, d]` with `cos`/`sin` `[n, d]` or `[H, n, d]`, in fp32."""
+    k = keys.float()
+    half = k.shape[-1] // 2
+    return k * cos + torch.cat([-k[..., half:], k[..., :half]], dim=-1) * sin
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[*positions.shape, d]` fp32 for integer `positions`."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device, torch.float32)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def shift_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate `keys` `[1, H, n, d]` by `delta` `[H, n]` positions (Llama's rotate-half layout), in fp32."""
+    angles = delta.to(torch.float32)[None, :, :, None] * inv_freq.to(keys.device, torch.float32)  # [1,H,n,d/2]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+    k = keys.to(torch.float32)
+    half = k.shape[-1] // 2
+    rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    return (k * cos + rotated * sin).to(keys.dtype)

@@ -1,0 +1,52 @@
+"""The parsed command line as settings: `flags(args)` (every shared flag present) and `resolve_spec(args)`,
+the RunSpec they resolve to. Used by every command's parser module (cli, profile_cli, bench, train)."""
+
+from __future__ import annotations
+
+import argparse
+
+from localchat.errors import UserError
+
+# Flags every command shares, with their defaults (`flags(args)` fills those a subcommand left unset).
+SHARED = {"model": None, "chunk": None, "max_new_tokens": 512, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+          "max_file_mb": 64.0, "policy": None, "budget": None, "local": None, "positions": None,
+          "decode_window": None, "heads": None, "profile": None, "weights": None, "kv": None, "debug": False}
+
+
+def policy_options() -> dict[str, object]:
+    """Every policy's own options (`Option`) by flag, for the command line."""
+    from localchat.engine.policies import POLICIES
+
+    out = {}
+    for cls in POLICIES.values():
+        for opt in cls.options.values():
+            out.setdefault(opt.flag, opt)
+    return out
+
+
+def flags(args: argparse.Namespace) -> dict:
+    """The parsed command line as a dict, every shared flag present (the one place that reads `args` loosely)."""
+    defaults = {**SHARED, **{opt.key: (False if opt.type is bool else None) for opt in policy_options().values()}}
+    return {**defaults, **vars(args)}
+
+
+def check_quant(weights: str | None, kv: str | None) -> None:
+    from localchat.engine.qcache import KV_CHOICES, kv_bits
+    from localchat.engine.quantize import WEIGHTS
+
+    if weights is not None and weights not in WEIGHTS:
+        raise UserError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+    if kv is not None:
+        try:
+            kv_bits(kv)
+        except ValueError:
+            raise UserError(f"unknown --kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}") from None
+
+
+def resolve_spec(args, **kwargs):
+    """The run's settings, resolved once: flags > LOCALCHAT_* > profile > model card > plan."""
+    from localchat.planning.resolve import resolve
+
+    spec = resolve(flags(args), **kwargs)
+    check_quant(spec.weights, spec.kv)  # values from the environment or a profile too
+    return spec

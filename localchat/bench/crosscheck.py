@@ -1,0 +1,67 @@
+"""`localchat bench cross-check A B [--out FILE]`: two results files on the same examples, side by side.
+
+Do the answers depend on the machine? Rows pair up when task, length, policy, budget, heads, positions and example
+match and both ran in fp32 (a CPU row's default dtype, `weights` null, pairs with `--weights fp32`). Per cell:
+paired examples, identical answer texts, the same verdict (correct or not), and the correct count on each side.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from localchat.bench.runner import RESULTS, read_rows
+from localchat.errors import UserError
+
+FIELDS = ("task", "length", "policy", "budget", "heads", "positions", "example")
+
+
+def fp32_rows(directory: Path) -> dict[tuple, dict]:
+    """The fp32 rows of `directory` without error, KV quantization or turns, by FIELDS."""
+    out = {}
+    for r in read_rows(directory / RESULTS):
+        cpu = not (r.get("hardware") or {}).get("gpu")
+        fp32 = r.get("weights") == "fp32" or (r.get("weights") is None and cpu)
+        if fp32 and not r.get("error") and not r.get("kv") and r.get("turns") is None:
+            out[tuple(r.get(f) for f in FIELDS)] = r
+    return out
+
+
+def compare(a: dict[tuple, dict], b: dict[tuple, dict]) -> list[str]:
+    """The table: one row per cell both sides have, then the totals."""
+    cells: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+    for key in a.keys() & b.keys():
+        x, y, c = a[key], b[key], cells[key[:-1]]
+        c[0] += 1
+        c[1] += x["output"].strip() == y["output"].strip()
+        c[2] += bool(x["correct"]) == bool(y["correct"])
+        c[3] += bool(x["correct"])
+        c[4] += bool(y["correct"])
+    lines = ["| task | length | policy | budget | heads | positions | paired | same answer | same verdict | "
+             "correct A | correct B |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    total = [0] * 5
+    for key in sorted(cells, key=lambda k: tuple(str(v) for v in k)):
+        c = cells[key]
+        total = [t + v for t, v in zip(total, c)]
+        lines.append("| " + " | ".join("" if v is None else str(v) for v in key) + " | " + " | ".join(map(str, c)) + " |")
+    lines.append(f"| all | | | | | | {' | '.join(map(str, total))} |")
+    return lines
+
+
+def render(a: Path, b: Path) -> str:
+    """cross-check.md's text for results directories `a` and `b`."""
+    return "\n".join([f"# `{a}` (A) against `{b}` (B), fp32 rows on the same examples", "",
+                      f"`localchat bench cross-check {a} {b}`", "", *compare(fp32_rows(a), fp32_rows(b))]) + "\n"
+
+
+def main(args) -> int:
+    """`localchat bench cross-check`: print the table (and write it to --out)."""
+    a, b = Path(args.a), Path(args.b)
+    for d in (a, b):
+        if not (d / RESULTS).exists():
+            raise UserError(f"no {RESULTS} in {d}")
+    text = render(a, b)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0

@@ -1,0 +1,128 @@
+"""An engine from a RunSpec: the model at the spec's precision, the spec's policy (with its heads), the memory
+check for policies that keep every token, and the plan made after loading where the shape was unknown before."""
+
+from __future__ import annotations
+
+import sys
+
+from localchat.config import PolicySpec, RunSpec
+from localchat.engine.engine import Engine
+from localchat.engine.heads import RetainingHeads
+from localchat.engine.loading import _stderr
+from localchat.engine.policies import Policy, make_policy, policy_class
+from localchat.errors import UserError
+from localchat.planning import memory
+from localchat.planning.memory import GIB, Shape, dtype_name, kv_unit_bytes, model_bytes, split_bytes
+from localchat.planning.planner import DEFAULT_MARGIN
+from localchat.planning.resolve import Target, fixed_fields, heads_dir_for, plan_spec
+
+
+def load_heads(engine: Engine, spec: PolicySpec) -> RetainingHeads:
+    if spec.heads == "random":
+        return RetainingHeads.random(engine.model)
+    directory = heads_dir_for(spec, engine.card)
+    if directory is None:
+        raise UserError(
+            f"no trained retaining heads ship for {engine.name}; train them with `localchat train-heads`, "
+            f"pass --heads DIR, or --heads random (an ablation), or choose another --policy"
+        )
+    return RetainingHeads.load(directory)
+
+
+def build_policy(engine: Engine, spec: PolicySpec) -> Policy:
+    """The policy `spec` names, for `engine` (LOCRET's heads loaded: shipped, a directory, or random)."""
+    settings = spec.settings()
+    settings.pop("heads", None)
+    if "heads" in policy_class(spec.name).fields():
+        settings["heads"] = load_heads(engine, spec)
+    return make_policy(spec.name, **settings)
+
+
+def use_spec(engine: Engine, spec: RunSpec) -> None:
+    """Set `engine` to `spec`'s policy, positions, chunk and cache type (the model stays)."""
+    engine.set_policy(build_policy(engine, spec.policy), spec.policy.positions)
+    engine.chunk = spec.chunk
+    engine.kv = spec.kv
+    engine.spec = spec
+
+
+def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
+    """Load the model and set it to `spec`. Where `spec` has no plan yet for a bounded policy (its shape was
+    unknown before loading), plan now with the loaded model's exact size; `engine.spec` is what runs."""
+    engine = Engine.load(spec.model, chunk=spec.chunk, positions=spec.policy.positions, weights=spec.weights,
+                         kv=spec.kv, say=say, before_weights=before_weights)
+    engine.admit = admit
+    if spec.plan is None and policy_class(spec.policy.name).bounded():
+        spec = plan_loaded(engine, spec)
+    use_spec(engine, spec)
+    return engine
+
+
+def plan_loaded(engine: Engine, spec: RunSpec) -> RunSpec:
+    """Plan `spec` for the loaded `engine`: the free memory plus what its weights already take."""
+    import torch
+
+    device = memory.detect("cuda" if engine.device.type == "cuda" else "cpu")
+    weights = model_bytes(engine.model)
+    usable = device.free + (weights if device.kind == "cpu" else torch.cuda.memory_allocated())
+    act = dtype_name(next(engine.model.parameters()).dtype)
+    shape = Shape.from_config(engine.model.config, name=engine.name)
+    target = Target(usable, f"free on {device.describe()}", device.kind)
+    return plan_spec(spec, shape, engine.card, target, fixed=fixed_fields(spec), weights_exact=weights, act=act,
+                     say=lambda line: print(line, file=sys.stderr))
+
+
+def admit(engine: Engine, prompt_units: int, max_new: int, held: int = 0) -> None:
+    """A policy that keeps every token (full, SAGE-KV, OmniKV) needs the new tokens' K and V in memory:
+    refuse, before reading, what the free memory cannot hold (instead of running out mid-way). Where the
+    policy keeps some layers in host memory on a GPU, their share of the prompt goes there; reading streams
+    two of them, whole (the `held` units too), through the GPU, and the answer stays there."""
+    p = engine.policy
+    if p.bounded():
+        return
+    kind = "cuda" if engine.device.type == "cuda" else "cpu"
+    act = dtype_name(engine.model.get_input_embeddings().weight.dtype)  # embeddings keep the activation dtype
+    unit = kv_unit_bytes(Shape.from_config(engine.model.config), act)  # one token, every layer
+    new_units = prompt_units + max_new
+    depth = engine.model.config.num_hidden_layers
+    off = p.offloaded_layers(depth) if kind == "cuda" else 0
+    on_device, in_host = split_bytes(unit, depth, off, prompt_units, max_new, held)
+    free = memory.detect(kind).free - DEFAULT_MARGIN[kind]  # the module's, so tests can stand in a device
+    if on_device > free:
+        where = f" on the GPU ({off} offloaded layers' share goes to host memory)" if off else ""
+        raise UserError(f"{p.name} keeps every token: {new_units:,} more need {on_device / GIB:.1f} GiB{where} "
+                        f"but {max(free, 0) / GIB:.1f} GiB is free (after a margin); use --policy locret "
+                        f"(a bounded cache) or a shorter document")
+    host_free = memory.detect("cpu").free - DEFAULT_MARGIN["cpu"] if off else 0
+    if off and in_host > host_free:
+        raise UserError(f"{p.name} --offload keeps {off} layers in host memory: {prompt_units:,} more tokens need "
+                        f"{in_host / GIB:.1f} GiB there but {max(host_free, 0) / GIB:.1f} GiB is free; "
+                        f"use --policy locret (a bounded cache) or a shorter document")
+
+
+def load_measured(spec: RunSpec) -> tuple[Engine, int]:
+    """The engine as load_engine builds it, and the process RSS just before its weights load (after the
+    libraries, their CPU kernels and the tokenizer: those are the margin's job, not the memory model's)."""
+    baseline = {}
+
+    def before(device, dtype) -> None:
+        import torch
+
+        x = torch.randn(1, 4, 64, 32, dtype=dtype, device=device)  # page in the kernels a forward uses
+        mask = torch.ones(64, 64, dtype=torch.bool, device=device).tril()
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        torch.nn.functional.silu(x @ x.transpose(-1, -2)).topk(8, dim=-1)
+        baseline["rss"] = memory.rss_bytes()
+
+    engine = load_engine(spec, before_weights=before)
+    return engine, baseline["rss"]
+
+
+def policy_for(engine: Engine, name: str | None = None, **flags) -> Policy:
+    """The policy the app builds for `--policy name` and these flags (flag keys: budget, stabilizers, heads,
+    sparse_prefill ...) on `engine`, with its card's defaults (tests and embedders)."""
+    from localchat.planning.resolve import policy_spec
+
+    spec, _ = policy_spec(name, {k: v for k, v in flags.items() if v is not None}, {}, engine.card,
+                          engine.device.type)
+    return build_policy(engine, spec)

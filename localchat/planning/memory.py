@@ -1,0 +1,334 @@
+"""Memory: what this machine has (detection, a fingerprint) and what a model needs (the memory model).
+
+The memory model (docs/design.md §3, docs/methods/locret.md §2.6) in bytes:
+  weights      parameters x bytes per parameter (4-bit: linear layers only, 0.5 byte + one fp32 scale per 64)
+  kv           (budget + chunk + n_loc + max_new) units x layers x KV heads x (K + V at the cache dtype
+               + an fp32 score + an int64 position): what engine/cache.py allocates
+  activations  one chunk through one layer (residual, norm, q/k/v, MLP gate/up/product) + last logits
+  scratch      one chunk's attention: K/V repeated to the query heads (SDPA with a mask) + the mask
+  heads        the retaining heads' weights and one chunk of their input and hidden layer
+  scores       what a policy's scoring adds (Policy.score_bytes): fp32 attention rows (H2O, RoCo, SnapKV,
+               CORM) and CORM's messages; 0 for LOCRET and the rest
+  margin       room for the runtime (1 GiB on CUDA by default)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GIB = 1024**3
+MIB = 1024**2
+
+# Bits per element for each dtype name a profile may use.
+DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "nf4": 4, "int4": 4, "int2": 2}
+QUANT_GROUP = 64  # elements per scale for the quantized dtypes
+
+
+def dtype_name(dtype) -> str:
+    """A torch dtype's name in this memory model: fp32, fp16, else bf16."""
+    return {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(dtype), "bf16")
+
+
+def dtype_bits(name: str) -> int:
+    try:
+        return DTYPE_BITS[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of: {', '.join(DTYPE_BITS)}") from None
+
+
+def quantized(name: str) -> bool:
+    return dtype_bits(name) < 16
+
+
+def elem_bytes(name: str) -> float:
+    """Bytes per element, with the per-group scale of a quantized dtype (fp32 weights' absmax, fp16 KV scales)."""
+    bits = dtype_bits(name)
+    return bits / 8 + (4 / QUANT_GROUP if bits < 16 else 0.0)
+
+
+# --- this machine ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "cuda" or "cpu"
+    name: str
+    total: int  # bytes
+    free: int  # bytes available now
+    capability: str | None = None  # "8.9"
+    driver: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable across runs (not the free memory): what a tuned profile is keyed to."""
+        parts = [self.kind, self.name, f"{round(self.total / GIB)}GiB"]
+        if self.capability:
+            parts.append(f"sm{self.capability}")
+        if self.driver:
+            parts.append(f"driver {self.driver}")
+        return " | ".join(parts)
+
+    def describe(self) -> str:
+        extra = f", compute {self.capability}" if self.capability else ""
+        return f"{self.name} ({self.kind}, {self.total / GIB:.1f} GiB, {self.free / GIB:.1f} GiB free{extra})"
+
+
+def cpu_memory() -> tuple[int, int]:
+    """(total, available) RAM in bytes."""
+    try:
+        info = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            info[key] = int(rest.split()[0]) * 1024
+        return info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0))
+    except (OSError, KeyError, ValueError, IndexError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total // 2
+
+
+def _cuda_driver() -> str | None:
+    import torch
+
+    try:
+        v = int(torch._C._cuda_getDriverVersion())  # e.g. 12040 (the CUDA version the driver supports)
+        return f"cuda {v // 1000}.{v % 1000 // 10}"
+    except Exception:  # noqa: BLE001 - a private call; the fingerprint works without it
+        return None
+
+
+def detect(device: str | None = None) -> Device:
+    """The device the engine would use: the first CUDA GPU, else this CPU's RAM."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        free, total = torch.cuda.mem_get_info(index)
+        return Device("cuda", props.name, total, free, f"{props.major}.{props.minor}", _cuda_driver())
+    total, available = cpu_memory()
+    return Device("cpu", cpu_model() or platform.machine(), total, available)
+
+
+# --- the model's shape ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    tied: bool
+    attn_bias: bool = False  # Qwen2: biases on q, k, v
+    window: int = 0  # max_position_embeddings
+    name: str = "model"
+
+    @classmethod
+    def from_config(cls, cfg, name: str = "model") -> "Shape":
+        """From a transformers config object or a config.json dict."""
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        bias = get("attention_bias")
+        if bias is None:
+            bias = get("model_type") == "qwen2"
+        return cls(
+            layers=int(get("num_hidden_layers")), hidden=hidden, q_heads=heads,
+            kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim") or hidden // heads),
+            vocab=int(get("vocab_size")), intermediate=int(get("intermediate_size")),
+            tied=bool(get("tie_word_embeddings", False)), attn_bias=bool(bias),
+            window=int(get("max_position_embeddings") or 0), name=name,
+        )
+
+    def params(self) -> dict[str, int]:
+        """Parameter counts: `embed`, `lm_head` (0 when tied), `linear` (attention + MLP), `other` (norms, biases)."""
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        linear = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        bias = (q + 2 * kv) if self.attn_bias else 0
+        return {
+            "embed": self.vocab * self.hidden,
+            "lm_head": 0 if self.tied else self.vocab * self.hidden,
+            "linear": self.layers * linear,
+            "other": self.layers * (2 * self.hidden + bias) + self.hidden,
+        }
+
+    def total_params(self) -> int:
+        return sum(self.params().values())
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of a model directory (or the file itself); ValueError with a one-line reason."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read {file}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} line {exc.lineno}: {exc.msg}") from None
+
+
+# --- the memory model --------------------------------------------------------------------------------
+
+
+def weight_bytes(shape: Shape, weights: str = "bf16") -> int:
+    """Weights at `weights`; quantized dtypes apply to the linear layers only (embeddings, lm_head and
+    norms stay at 16 bits, as bitsandbytes and quanto leave them)."""
+    p = shape.params()
+    if quantized(weights):
+        return int(p["linear"] * elem_bytes(weights)) + 2 * (p["embed"] + p["lm_head"] + p["other"])
+    return int(shape.total_params() * elem_bytes(weights))
+
+
+def kv_unit_bytes(shape: Shape, kv: str = "bf16") -> int:
+    """One unit in every layer and KV head: K and V at `kv`, an fp32 score and an int64 position."""
+    per_head = 2 * shape.head_dim * elem_bytes(kv) + 4 + 8
+    return int(round(shape.layers * shape.kv_heads * per_head))
+
+
+def split_bytes(unit: int, depth: int, offloaded: int, prompt: int, answer: int = 0, held: int = 0) -> tuple[int, int]:
+    """(device, host) bytes of the K/V of `prompt` new prompt tokens and `answer` answer tokens (`unit` bytes a
+    token over all `depth` layers) when `offloaded` layers keep the prompt in host memory. Reading streams up
+    to two of those through the device whole (the `held` tokens too); the answer stays on the device."""
+    streamed = min(2, offloaded)
+    new = prompt + answer
+    device = unit * ((depth - offloaded) * new + streamed * (held + new) + offloaded * answer) // depth
+    return device, unit * offloaded * prompt // depth
+
+
+def kv_units(budget: int, chunk: int, local: int, max_new: int) -> int:
+    """The cache's peak length per KV head: what Engine.new_cache reserves for an evicting policy."""
+    return budget + chunk + local + max_new
+
+
+def activation_bytes(shape: Shape, chunk: int, act: str = "bf16") -> int:
+    """One chunk through one layer (freed layer by layer) plus the last position's fp32 logits."""
+    q, kv = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_token = 4 * shape.hidden + 3 * shape.intermediate + q + 2 * kv
+    return int(chunk * per_token * elem_bytes(act)) + 4 * shape.vocab
+
+
+def scratch_bytes(shape: Shape, chunk: int, kv_len: int, act: str = "bf16") -> int:
+    """One chunk's attention: K and V repeated to the query heads over `kv_len` keys, the boolean mask,
+    and the attention output. No attention matrix: SDPA's kernels work in blocks."""
+    repeated = 2 * shape.q_heads * kv_len * shape.head_dim * elem_bytes(act) if shape.q_heads != shape.kv_heads else 0
+    return int(repeated + chunk * kv_len + chunk * shape.q_heads * shape.head_dim * elem_bytes(act))
+
+
+def heads_bytes(shape: Shape, d_r: int, chunk: int, act: str = "bf16") -> int:
+    """Retaining heads: weights (stored at the model's dtype) and one chunk's input and hidden layer."""
+    if d_r <= 0:
+        return 0
+    in_dim = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
+    b = elem_bytes(act)
+    weights = shape.layers * (in_dim * d_r + d_r * shape.kv_heads) * b
+    return int(weights + chunk * (in_dim + d_r) * b)
+
+
+@dataclass
+class Estimate:
+    weights: int
+    kv: int
+    activations: int
+    scratch: int
+    heads: int
+    margin: int
+    notes: list[str] = field(default_factory=list)
+    scores: int = 0  # what the policy's scoring adds (attention rows in fp32, CORM's messages)
+
+    @property
+    def used(self) -> int:
+        """Peak bytes the engine itself uses (everything but the margin)."""
+        return self.weights + self.kv + self.activations + self.scratch + self.heads + self.scores
+
+    @property
+    def total(self) -> int:
+        return self.used + self.margin
+
+    def rows(self) -> list[tuple[str, int]]:
+        rows = [("weights", self.weights), ("KV cache", self.kv), ("activations", self.activations),
+                ("attention scratch", self.scratch), ("retaining heads", self.heads)]
+        return rows + ([("policy scores", self.scores)] if self.scores else []) + [("margin", self.margin)]
+
+
+def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: int = 0, weights: str = "bf16",
+             kv: str = "bf16", act: str = "bf16", d_r: int = 0, margin: int = 0,
+             weights_exact: int | None = None, policy=None) -> Estimate:
+    """Peak memory of a LOCRET prefill + answer at these settings. `weights_exact`: the loaded model's bytes;
+    `policy`: the Policy, whose scoring may need memory of its own (its `score_bytes`), or None."""
+    units = kv_units(budget, chunk, local, max_new)
+    return Estimate(
+        weights=weights_exact if weights_exact is not None else weight_bytes(shape, weights),
+        kv=units * kv_unit_bytes(shape, kv),
+        activations=activation_bytes(shape, chunk, act),
+        scratch=scratch_bytes(shape, chunk, budget + chunk + local, act),
+        heads=heads_bytes(shape, d_r, chunk, act),
+        margin=margin,
+        scores=policy.score_bytes(shape.layers, shape.q_heads, shape.kv_heads, chunk, budget + chunk + local)
+        if policy is not None else 0,
+    )
+
+
+def model_bytes(model) -> int:
+    """Bytes of a loaded model's parameters and buffers (tied weights counted once); quantized layers count
+    their packed data and scales (engine/quantize.py)."""
+    from localchat.engine.quantize import weight_bytes
+
+    return weight_bytes(model)
+
+
+# --- measuring ----------------------------------------------------------------------------------------
+
+
+def _proc_status_bytes(field: str) -> int:
+    """A byte figure of /proc/self/status (e.g. VmRSS, VmHWM); elsewhere the peak RSS so far."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return max_rss_bytes()
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    return _proc_status_bytes("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak RSS (VmHWM) to the current RSS (Linux >= 4.0). False where unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM: the peak RSS since start or since reset_peak_rss()."""
+    return _proc_status_bytes("VmHWM")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def max_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -1,0 +1,282 @@
+"""The memory planner: pick the largest budget (up to the model card's target) and the fastest chunk that
+fit the memory, say how long a document can be read, then check the plan against a real chunk.
+
+`make_plan` is arithmetic only (no weights are loaded); `verify` runs one chunk on a full cache with the
+loaded engine, reads the real peak, and shrinks the chunk (then the budget) while it does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from localchat.planning.memory import GIB, MIB, Device, Estimate, Shape, estimate, kv_unit_bytes, split_bytes
+from localchat.errors import UserError
+
+CHUNKS = (256, 512, 1024, 2048, 4096)  # candidate chunk sizes, smallest first
+DEFAULT_TARGET = 16384  # budget target without a model card (LOCRET's Llama-3.1-8B setting)
+DEFAULT_MARGIN = {"cuda": 1024 * MIB, "cpu": 512 * MIB}
+LONG_DOC = 128 * 1024
+
+
+@dataclass
+class Request:
+    """What the planner is asked: fixed values (None = the planner chooses) and the dtypes."""
+
+    budget: int | None = None
+    chunk: int | None = None
+    local: int = 96
+    max_new: int = 512
+    weights: str = "bf16"
+    kv: str = "bf16"
+    act: str = "bf16"
+    d_r: int = 0  # retaining heads' hidden size (0: no heads)
+    margin: int | None = None  # bytes; None: DEFAULT_MARGIN for the device kind
+    target: int | None = None  # budget target (model card); None: DEFAULT_TARGET
+    card_chunk: int | None = None  # the card's chunk: the preferred speed when nothing was measured
+    compact: bool = True  # compact positions: the cache, not the window, bounds the document
+    holds_prompt: str | None = None  # a policy that keeps the whole prompt while reading (its name), or None
+    throughput: dict[int, float] = field(default_factory=dict)  # measured tokens/s per chunk (a tuned profile)
+    weights_exact: int | None = None  # bytes of the loaded model, when it is loaded
+    policy: object = None  # the Policy; its scoring may need memory of its own (Policy.score_bytes)
+    host_memory: int | None = None  # bytes free in host memory, for layers the policy offloads there (OmniKV)
+
+
+@dataclass
+class Plan:
+    shape: Shape
+    memory: int  # bytes the plan may use (free memory now, or a profile's device)
+    memory_source: str
+    kind: str  # "cuda" or "cpu"
+    budget: int
+    chunk: int
+    request: Request
+    estimate: Estimate
+    notes: list[str] = field(default_factory=list)
+    measured_peak: int | None = None  # bytes, after verify()
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total <= self.memory
+
+    def offloaded(self) -> int:
+        """Layers whose K/V the policy keeps in host memory on this device (OmniKV --offload on a GPU)."""
+        p = self.request.policy
+        return p.offloaded_layers(self.shape.layers) if p is not None and self.kind == "cuda" else 0
+
+    def full_attention_tokens(self, offload: bool = True) -> int:
+        """How many tokens the same memory holds with no eviction (a full cache, original positions). With
+        offloaded layers the device holds the others' K/V (plus two streamed through), host memory the rest."""
+        r = self.request
+        fixed = estimate(self.shape, budget=0, chunk=self.chunk, local=0, max_new=0, weights=r.weights, kv=r.kv,
+                         act=r.act, d_r=r.d_r, margin=self.estimate.margin, weights_exact=r.weights_exact)
+        per_token = estimate(self.shape, budget=1, chunk=self.chunk, local=0, max_new=0, weights=r.weights,
+                             kv=r.kv, act=r.act, d_r=r.d_r, margin=self.estimate.margin,
+                             weights_exact=r.weights_exact).total - fixed.total
+        off, depth = (self.offloaded() if offload else 0), self.shape.layers
+        unit = kv_unit_bytes(self.shape, r.kv)
+        on_device, in_host = split_bytes(unit, depth, off, prompt=1)
+        per_token -= unit - on_device
+        n = max(0, (self.memory - fixed.total) // max(per_token, 1))
+        if off and r.host_memory is not None:
+            n = min(n, max(0, r.host_memory) // max(in_host, 1))
+        return int(min(n, self.shape.window)) if self.shape.window else int(n)
+
+    def max_document(self) -> int | None:
+        """Tokens a document may have: None = any length (compact positions keep memory and positions flat)."""
+        if self.request.compact:
+            return None
+        if self.request.holds_prompt:  # the whole prompt is in memory: the memory bounds it as well as the window
+            return max(0, self.full_attention_tokens() - self.request.max_new)
+        return max(0, (self.shape.window or 0) - self.request.max_new)
+
+    def lines(self) -> list[str]:
+        r, e = self.request, self.estimate
+        out = [f"model        {self.shape.name}: {self.shape.total_params() / 1e9:.2f}B parameters, "
+               f"{self.shape.layers} layers, {self.shape.kv_heads} KV heads x {self.shape.head_dim}",
+               f"memory       {self.memory / GIB:.1f} GiB ({self.memory_source})",
+               f"weights      {r.weights}, KV cache {r.kv}, activations {r.act}", ""]
+        for label, value in e.rows():
+            out.append(f"  {label:<18} {value / GIB:8.2f} GiB")
+        out.append(f"  {'total':<18} {e.total / GIB:8.2f} GiB of {self.memory / GIB:.1f} GiB"
+                   f" ({'fits' if self.fits else 'DOES NOT FIT'})")
+        if self.measured_peak is not None:
+            out.append(f"  {'measured peak':<18} {self.measured_peak / GIB:8.2f} GiB "
+                       f"(predicted {e.used / GIB:.2f} GiB without the margin, "
+                       f"{(e.used - self.measured_peak) / self.measured_peak:+.1%})")
+        out += ["", f"budget       {self.budget:,} units per KV head per layer"
+                    f"{'' if r.budget is not None else f' (target {r.target or DEFAULT_TARGET:,})'}",
+                f"chunk        {self.chunk:,} tokens{self._chunk_why()}",
+                f"local tail   {r.local:,}; answers up to {r.max_new:,} tokens"]
+        doc = self.max_document()
+        if doc is None:
+            out.append(f"documents    any length: the cache stays at {self.budget + self.chunk + r.local + r.max_new:,}"
+                       f" units, so a {LONG_DOC // 1024}K-token document fits")
+        elif r.holds_prompt and self.offloaded():
+            host = f"{r.host_memory / GIB:.1f} GiB free on this machine" if r.host_memory is not None else "its size unknown"
+            out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt: "
+                       f"{self.offloaded()} of {self.shape.layers} layers in host memory ({host}), the rest "
+                       f"on the GPU; the window and both memories bound it)")
+        elif r.holds_prompt:
+            out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt in memory: "
+                       f"the window and the memory bound it, not the budget)")
+        else:
+            out.append(f"documents    up to {doc:,} tokens (original positions: the model's window)")
+        if self.offloaded():
+            out.append(f"full cache   without --offload the GPU holds {self.full_attention_tokens(offload=False):,} tokens")
+        else:
+            out.append(f"full cache   the same memory holds {self.full_attention_tokens():,} tokens without eviction")
+        tps = r.throughput.get(self.chunk)
+        if tps:
+            out.append(f"reading      {tps:,.0f} tokens/s measured: a {LONG_DOC // 1024}K document in about "
+                       f"{LONG_DOC / tps / 60:,.1f} min")
+        return out + [f"note         {n}" for n in self.notes]
+
+    def _chunk_why(self) -> str:
+        r = self.request
+        if r.chunk is not None:
+            return ""
+        if r.throughput.get(self.chunk):
+            return f" (fastest measured that fits: {r.throughput[self.chunk]:,.0f} tokens/s)"
+        return " (largest that fits, up to the model card's)" if r.card_chunk else " (largest that fits)"
+
+
+def _margin(req: Request, kind: str) -> int:
+    return req.margin if req.margin is not None else DEFAULT_MARGIN.get(kind, DEFAULT_MARGIN["cpu"])
+
+
+def _estimate(shape: Shape, req: Request, budget: int, chunk: int, margin: int) -> Estimate:
+    return estimate(shape, budget=budget, chunk=chunk, local=req.local, max_new=req.max_new, weights=req.weights,
+                    kv=req.kv, act=req.act, d_r=req.d_r, margin=margin, weights_exact=req.weights_exact,
+                    policy=req.policy)
+
+
+def _window_ok(shape: Shape, req: Request, budget: int, chunk: int) -> bool:
+    """Compact positions never exceed budget + chunk: they must stay inside the model's window."""
+    return not (req.compact and shape.window) or budget + chunk < shape.window
+
+
+def _chunk_order(req: Request) -> list[int]:
+    """Chunks to try, preferred first: the fastest measured; else the largest up to the card's chunk."""
+    if req.chunk is not None:
+        return [req.chunk]
+    if req.throughput:
+        measured = sorted(req.throughput, key=lambda c: -req.throughput[c])
+        return measured + [c for c in sorted(CHUNKS, reverse=True) if c not in req.throughput]
+    top = req.card_chunk or CHUNKS[-1]
+    first = sorted({c for c in CHUNKS if c <= top} | {top}, reverse=True)
+    return first + [c for c in sorted(CHUNKS, reverse=True) if c not in first]
+
+
+def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memory_source: str = "") -> Plan:
+    """The plan for `memory` bytes; UserError (saying what would fit) when nothing does."""
+    margin = _margin(req, kind)
+    chunks = _chunk_order(req)
+    smallest = min(chunks)
+
+    def fits(budget: int, chunk: int) -> bool:
+        return _window_ok(shape, req, budget, chunk) and _estimate(shape, req, budget, chunk, margin).total <= memory
+
+    def largest_budget(limit: int) -> int:
+        lo, hi = 0, limit  # largest b in [1, limit] that fits with the smallest chunk, 0 if none
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid, smallest) else (lo, mid - 1)
+        return lo
+
+    if req.budget is not None:
+        budget = req.budget
+        if not any(fits(budget, c) for c in chunks):
+            best = largest_budget(budget)
+            need = _estimate(shape, req, budget, smallest, margin).total
+            if not _window_ok(shape, req, budget, smallest):
+                raise UserError(f"budget {budget:,} + chunk {smallest:,} does not fit {shape.name}'s window of "
+                                f"{shape.window:,} positions; a budget up to {shape.window - smallest - 1:,} would")
+            raise UserError(f"budget {budget:,} needs {need / GIB:.1f} GiB with chunk {smallest} but "
+                            f"{memory / GIB:.1f} GiB is available; "
+                            + (f"a budget up to {best:,} would fit" if best else "nothing fits: the weights alone "
+                               f"take {_estimate(shape, req, 0, smallest, margin).weights / GIB:.1f} GiB"))
+    else:
+        target = req.target or DEFAULT_TARGET
+        if req.compact and shape.window:
+            target = min(target, shape.window - smallest - 1)
+        budget = largest_budget(target)
+        if budget < 1:
+            e = _estimate(shape, req, 0, smallest, margin)
+            raise UserError(f"{shape.name} does not fit in {memory / GIB:.1f} GiB: weights {e.weights / GIB:.1f} GiB"
+                            f" + margin {e.margin / GIB:.1f} GiB; try 4-bit weights or a smaller model")
+        budget = budget // 64 * 64 if budget >= 128 else budget  # round to a tidy figure
+    chunk = next((c for c in chunks if fits(budget, c)), None)
+    if chunk is None:
+        raise UserError(f"chunk {req.chunk:,} does not fit with budget {budget:,} in {memory / GIB:.1f} GiB; "
+                        f"try --chunk {smallest // 2 or 1}")
+    plan = Plan(shape, memory, memory_source or f"{kind}", kind, budget, chunk, req,
+                _estimate(shape, req, budget, chunk, margin))
+    if req.budget is None and req.target and budget < min(req.target, target):
+        plan.notes.append(f"budget lowered from the target {req.target:,} to fit the memory")
+    return plan
+
+
+def plan_for_device(shape: Shape, device: Device, req: Request) -> Plan:
+    return make_plan(shape, device.free, req, kind=device.kind, memory_source=f"free on {device.describe()}")
+
+
+# --- checking the plan against a real chunk ---------------------------------------------------------------
+
+
+def measure_chunk(engine, budget: int, chunk: int, max_new: int = 0, baseline: int | None = None) -> int:
+    """Bytes at the peak of a prefill that runs a chunk on a full cache (budget + 2 chunks + the tail).
+
+    CUDA: torch's peak allocation. CPU: the process's peak RSS minus `baseline` (RSS before the model
+    loaded); without a baseline, the model's bytes plus the RSS growth during the run."""
+    import torch
+
+    from localchat.planning import memory
+    from localchat.engine.sampling import GenerationSettings
+
+    p = engine.policy
+    n = budget + 2 * chunk + p.local
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(engine.tokenizer), (n,), generator=gen).tolist()
+    old_chunk, engine.chunk = engine.chunk, chunk
+    cuda = engine.device.type == "cuda"
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            before = memory.rss_bytes()
+            memory.reset_peak_rss()
+        cache = engine.new_cache(n, max_new)
+        events = list(engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=1, ignore_eos=True)))
+        from localchat.engine.events import Error
+
+        failed = next((e for e in events if isinstance(e, Error)), None)
+        if failed is not None:
+            raise UserError(f"the check run failed: {failed.message}")
+        if cuda:
+            torch.cuda.synchronize()
+            return int(torch.cuda.max_memory_allocated())
+        peak = memory.peak_rss_bytes()
+        return peak - baseline if baseline is not None else memory.model_bytes(engine.model) + peak - before
+    finally:
+        engine.chunk = old_chunk
+
+
+def verify(engine, plan: Plan, baseline: int | None = None, tries: int = 4) -> Plan:
+    """Run a real chunk at the plan; while the measured peak + margin does not fit, halve the chunk (then
+    cut the budget by a quarter) and measure again. The returned plan carries the measured peak."""
+    for _ in range(tries):
+        peak = measure_chunk(engine, plan.budget, plan.chunk, plan.request.max_new, baseline)
+        plan.measured_peak = peak
+        if peak + plan.estimate.margin <= plan.memory:
+            return plan
+        smaller = replace(plan.request, chunk=max(plan.chunk // 2, 1), budget=plan.budget)
+        if plan.chunk <= min(CHUNKS):
+            smaller.budget = max(1, plan.budget * 3 // 4)
+        note = (f"measured {peak / GIB:.2f} GiB at budget {plan.budget:,}, chunk {plan.chunk:,}: "
+                f"does not fit; trying budget {smaller.budget:,}, chunk {smaller.chunk:,}")
+        notes = plan.notes + [note]
+        plan = make_plan(plan.shape, plan.memory, smaller, kind=plan.kind, memory_source=plan.memory_source)
+        plan.notes = notes
+    raise UserError(f"no plan fits after {tries} measured tries; lower --budget or --chunk")

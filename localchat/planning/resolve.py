@@ -1,0 +1,335 @@
+"""One resolution of every setting into a RunSpec, before the model loads.
+
+Precedence per field: command line > LOCALCHAT_* environment > device profile > model card > policy default;
+then the memory plan lowers an automatic budget or chunk that would not fit (a value the user fixed that cannot
+fit is an error saying what would). The same function serves `plan`, `profile show`, `ask`, `chat`, the chat
+window, `profile tune` and the bench, so what `plan` prints is what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from localchat.config import PolicySpec, RunSpec
+from localchat.engine.cards import ModelCard, default_card, find_card
+from localchat.engine.heads import WEIGHTS as HEADS_FILE
+from localchat.engine.policies import DEFAULT_POLICY, PLAIN_POLICY, POLICIES, policy_class
+from localchat.engine.sampling import GenerationSettings
+from localchat.errors import UserError
+from localchat.planning import profiles
+from localchat.planning.memory import GIB, MIB, Device, Shape, detect, read_config
+from localchat.planning.planner import DEFAULT_MARGIN, Plan, Request, make_plan
+
+DEFAULT_CHUNK = 512
+RANDOM_HEADS_D_R = 1024  # RetainingHeads.random's d_R (the paper's)
+POLICY_FIELDS = ("budget", "local", "decode_window", "heads")  # every policy's, besides its own options
+
+
+@dataclass(frozen=True)
+class Target:
+    """The memory a plan is for: bytes, where the figure comes from, and the device kind."""
+
+    memory: int
+    source: str
+    kind: str  # "cuda" or "cpu"
+
+    @classmethod
+    def of(cls, device: Device) -> "Target":
+        return cls(device.free, f"free on {device.describe()}", device.kind)
+
+
+def option_keys() -> dict[str, tuple[str, str]]:
+    """Flag key (`stabilizers`, `sparse_prefill`) -> (policy field, flag) over every policy's options."""
+    return {opt.key: (name, opt.flag) for cls in POLICIES.values() for name, opt in cls.options.items()}
+
+
+# --- the model's facts without its weights --------------------------------------------------------------------
+
+
+def card_for(model: str | None) -> ModelCard | None:
+    return default_card() if model is None else find_card(model)
+
+
+def shipped_heads_dir(card: ModelCard | None) -> Path | None:
+    """models/<card id>/ inside the package, if it holds trained heads for this model."""
+    if card is None:
+        return None
+    directory = Path(str(resources.files("localchat.models") / card.id))
+    return directory if (directory / HEADS_FILE).exists() else None
+
+
+def heads_d_r(directory: Path | None) -> int:
+    if directory is None:
+        return 0
+    try:
+        return int(json.loads((directory / "heads.json").read_text(encoding="utf-8"))["d_r"])
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def model_facts(spec: str | None) -> tuple[Shape, ModelCard | None]:
+    """(shape, model card or None) without loading any weights. `spec` may also be a config.json file or a
+    directory holding only config.json."""
+    path = Path(spec).expanduser() if spec else None
+    if path is not None and (path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())):
+        try:
+            cfg = read_config(path)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        card = find_card(spec)
+        name = path.stem if path.suffix == ".json" else path.name
+    else:
+        from localchat.engine import loading
+
+        source, card = loading.resolve(spec)
+        if Path(source).is_dir():
+            cfg = read_config(source)
+        else:
+            try:
+                from transformers import AutoConfig
+
+                cfg = AutoConfig.from_pretrained(source).to_dict()
+            except Exception as exc:  # noqa: BLE001 - offline, gated, or not a model id
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise UserError(f"cannot read the config of {spec}: {first}; pass --model DIR (a directory "
+                                f"with config.json) to plan without downloading") from None
+        name = card.name if card else spec
+    try:
+        return Shape.from_config(cfg, name=name), card
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{spec}: not a decoder config this planner knows ({exc})") from None
+
+
+# --- the policy ------------------------------------------------------------------------------------------------
+
+
+def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, str], card: ModelCard | None,
+                kind: str) -> tuple[PolicySpec, dict[str, str]]:
+    """The policy's settings: `given` (flag key -> value, each from `given_from[key]`) > model card > policy
+    default. Checks that every given option belongs to the policy and that it validates its own settings."""
+    sources: dict[str, str] = {}
+    options = option_keys()
+    heads = given.get("heads")
+    if name is None:
+        name = DEFAULT_POLICY if heads or shipped_heads_dir(card) else PLAIN_POLICY
+        sources["policy"] = "default (heads ship for the model)" if name == DEFAULT_POLICY else "default"
+    else:
+        sources["policy"] = given_from.get("policy", "command line")
+    cls = policy_class(name)
+    for key, (field_name, flag) in options.items():
+        if given.get(key) not in (None, False) and field_name not in cls.options:
+            owners = [n for n, c in POLICIES.items() if field_name in c.options]
+            raise UserError(f"{flag} applies to --policy {' or '.join(owners)}, not to {name}; drop {flag} or add "
+                            f"--policy {owners[0]}")
+        if given.get(key) not in (None, False) and cls.options[field_name].cuda_only and kind != "cuda":
+            raise UserError(f"{flag} is for a CUDA GPU and this runs on the CPU; drop {flag}, or plan it for a GPU "
+                            f"with --device cuda --memory-gb N")
+    if heads and "heads" not in cls.fields():
+        owners = [n for n, c in POLICIES.items() if "heads" in c.fields()]
+        raise UserError(f"--heads applies to --policy {' or '.join(owners)}, not to {name}; drop --heads")
+    locret = (card.locret if card else {}) or {}
+    values: dict[str, Any] = {}
+    given_keys = set()
+    for field_name in cls.fields():
+        key = next((k for k, (f, _) in options.items() if f == field_name and f in cls.options), field_name)
+        if given.get(key) is not None and not (field_name in cls.options and given[key] is False):
+            values[field_name], sources[field_name] = given[key], given_from.get(key, "command line")
+            given_keys.add(field_name)
+        elif field_name in locret and field_name != "positions":
+            values[field_name], sources[field_name] = locret[field_name], "model card"
+    defaults = cls()
+    before = {**{f: getattr(defaults, f) for f in cls.options}, **values}
+    values = cls.settle(before, given_keys)
+    for field_name, value in values.items():
+        if value != before[field_name]:
+            sources[field_name] = f"{sources.get(field_name, 'policy default')}, lowered to fit the budget"
+    if "positions" in given:
+        positions, sources["positions"] = given["positions"], given_from.get("positions", "command line")
+    else:
+        positions, sources["positions"] = (cls.default_positions if cls.evicts else "original"), "policy default"
+    settings = {k: v for k, v in values.items() if k != "heads"}
+    cls(**settings)  # the policy validates its own settings (UserError)
+    params = tuple((f, values.get(f, getattr(defaults, f))) for f in cls.options)
+    spec = PolicySpec(name=name, budget=values.get("budget", defaults.budget) if cls.uses_budget() else None,
+                      local=values.get("local", defaults.local), positions=positions,
+                      decode_window=values.get("decode_window", defaults.decode_window),
+                      heads=heads if "heads" in cls.fields() else None, params=params)
+    return spec, sources
+
+
+def heads_dir_for(spec: PolicySpec, card: ModelCard | None) -> Path | None:
+    if spec.heads == "random":
+        return None
+    return Path(spec.heads).expanduser() if spec.heads else shipped_heads_dir(card)
+
+
+# --- the plan ---------------------------------------------------------------------------------------------------
+
+
+def _from_card(spec: RunSpec, key: str) -> bool:
+    return str(spec.sources.get(key, "")).startswith("model card")
+
+
+def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set[str] = frozenset(),
+                 measured: dict | None = None, weights_exact: int | None = None, act: str | None = None) -> Request:
+    """What the planner is asked for `spec`: the fields in `fixed` are the user's (the plan must keep them); a
+    budget or chunk from the model card is the most the plan may choose; any other is the plan's to choose."""
+    p = spec.policy
+    cls = policy_class(p.name)
+    act = act or ("bf16" if kind == "cuda" else "fp32")
+    d_r = 0
+    if "heads" in cls.fields():
+        d_r = RANDOM_HEADS_D_R if p.heads == "random" else heads_d_r(heads_dir_for(p, card)) or RANDOM_HEADS_D_R
+    throughput = {}
+    if measured:
+        throughput = {int(c): float(t) for c, t in zip(measured.get("chunks", []), measured.get("tokens_per_s", []))}
+    offload = bool(p.param("offload"))
+    policy = cls(**{k: v for k, v in p.settings().items() if k != "heads"}) if cls.uses_budget() else cls()
+    return Request(
+        budget=p.budget if "budget" in fixed else None, chunk=spec.chunk if "chunk" in fixed else None,
+        local=p.local, max_new=spec.generation.max_new_tokens, weights=spec.weights or act,
+        kv=spec.kv if spec.kv not in (None, "none") else act, act=act, d_r=d_r,
+        margin=spec.margin_mib * MIB if spec.margin_mib is not None else None,
+        target=p.budget if _from_card(spec, "budget") else None,
+        card_chunk=spec.chunk if _from_card(spec, "chunk") else None,
+        compact=p.positions == "compact" and cls.bounded(), holds_prompt=None if cls.bounded() else p.name,
+        policy=policy, throughput=throughput, weights_exact=weights_exact,
+        host_memory=detect("cpu").free - DEFAULT_MARGIN["cpu"] if offload else None,
+    )
+
+
+def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
+    """`spec` with the plan's budget and chunk where they were not fixed by the user (LOCRET's n_s follows its rule).
+    A model card's value is only ever lowered, and then `say` tells why."""
+    p = spec.policy
+    cls = policy_class(p.name)
+    sources = dict(spec.sources)
+    fits = f"{plan.memory / GIB:.1f} GiB"
+    lowered = [(k, old, new) for k, old, new in (("budget", p.budget, plan.budget), ("chunk", spec.chunk, plan.chunk))
+               if k not in fixed and old is not None and new < old and _from_card(spec, k)]
+    if lowered and say is not None:
+        say(f"localchat: plan: budget {plan.budget:,} (asked {p.budget:,}), chunk {plan.chunk:,} "
+            f"(asked {spec.chunk:,}) to fit {fits}")
+    chunk = spec.chunk
+    if "chunk" not in fixed and plan.chunk != chunk:
+        sources["chunk"] = (f"plan: lowered from the model card's {chunk:,} to fit {fits}" if _from_card(spec, "chunk")
+                            else f"plan: the largest that fits {fits}")
+        chunk = plan.chunk
+    if "budget" not in fixed and cls.uses_budget() and plan.budget != p.budget:
+        sources["budget"] = (f"plan: lowered from the model card's {p.budget:,} to fit {fits}"
+                             if _from_card(spec, "budget") else f"plan: the largest that fits {fits}")
+        params = dict(p.params)
+        given = {k for k in params if k in dict(spec.asked)}
+        params = {k: v for k, v in cls.settle({**params, "budget": plan.budget}, given).items() if k != "budget"}
+        p = replace(p, budget=plan.budget, params=tuple(params.items()))
+    return replace(spec, policy=p, chunk=chunk, sources=sources, plan=plan)
+
+
+# --- the resolution -----------------------------------------------------------------------------------------------
+
+
+def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | None = None,
+            target: Target | None = None, plan: bool = True, quiet: bool = False) -> RunSpec:
+    """The RunSpec for command-line `flags` (key -> value; None = not given). `target`: plan for this memory
+    instead of what is free on `device` (this machine by default). `plan=False`: no memory plan (a model whose
+    shape is unknown until it loads is planned then, by planning/load.py)."""
+    env = os.environ if env is None else env
+    device = device or detect()
+    cli = {k: flags.get(k) for k in profiles.SETTINGS}
+    r = profiles.resolve(cli, flags.get("profile"), env=env, device=device)
+    if not quiet:
+        for w in r.warnings:
+            print(f"localchat: warning: {w}", file=sys.stderr)
+    given, given_from = dict(r.values), dict(r.sources)
+    for key in (*POLICY_FIELDS, *option_keys()):
+        if key not in given and flags.get(key) not in (None, False):
+            given[key], given_from[key] = flags[key], "command line"
+    model = given.get("model")
+    card = card_for(model)
+    target = target or Target.of(device)
+    policy, sources = policy_spec(given.get("policy"), given, given_from, card, target.kind)
+    locret = (card.locret if card else {}) or {}
+    if given.get("chunk") is not None:
+        chunk, sources["chunk"] = given["chunk"], given_from["chunk"]
+    elif locret.get("chunk"):
+        chunk, sources["chunk"] = int(locret["chunk"]), "model card"
+    else:
+        chunk, sources["chunk"] = DEFAULT_CHUNK, "default"
+    for key in ("model", "weights", "kv", "margin_mib"):
+        if key in given:
+            sources[key] = given_from[key]
+    generation = GenerationSettings(**{k: flags[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")
+                                       if flags.get(k) is not None})
+    generation.validate()
+    kv = given.get("kv") or "none"
+    spec = RunSpec(policy=policy, model=model, chunk=chunk, weights=given.get("weights"),
+                   kv=kv if kv not in ("fp32", "bf16", "fp16") else "none", margin_mib=given.get("margin_mib"),
+                   generation=generation, profile=r.profile.name if r.profile else None,
+                   asked=tuple((k, v) for k, v in given.items() if k in ("positions", *POLICY_FIELDS, *option_keys())),
+                   sources={**sources, "profile": r.profile_source, **{f"asked.{k}": given_from[k] for k in given}})
+    return complete(spec, target, quiet=quiet) if plan else spec
+
+
+def complete(spec: RunSpec, target: Target | None = None, *, quiet: bool = False) -> RunSpec:
+    """`spec` with its memory plan (for a policy the budget bounds), from the model's shape read without its
+    weights. A model whose shape is unknown until it loads stays unplanned: planning/load.py plans it then."""
+    if spec.plan is not None or not policy_class(spec.policy.name).bounded():
+        return spec
+    try:
+        shape, card = model_facts(spec.model)
+    except UserError:
+        return spec
+    measured = profiles.find(spec.profile).meta.get("measured") if spec.profile else None
+    return plan_spec(spec, shape, card, target or Target.of(detect()), fixed=fixed_fields(spec), measured=measured,
+                     say=None if quiet else (lambda line: print(line, file=sys.stderr)))
+
+
+def plan_spec(spec: RunSpec, shape: Shape, card: ModelCard | None, target: Target, *, fixed: set[str],
+              measured: dict | None = None, weights_exact: int | None = None, act: str | None = None,
+              say=None) -> RunSpec:
+    """Plan `spec` for `target` and apply what the plan lowered."""
+    req = plan_request(spec, card, target.kind, fixed=fixed, measured=measured, weights_exact=weights_exact, act=act)
+    plan = make_plan(shape, target.memory, req, kind=target.kind, memory_source=target.source)
+    return apply_plan(spec, plan, fixed, say=say)
+
+
+def fixed_fields(spec: RunSpec) -> set[str]:
+    """The plan's fields the user fixed (a flag, the environment or a profile), which a plan must keep."""
+    fixed = set()
+    if spec.sources.get("budget") not in (None, "model card", "policy default", "default") and \
+            not str(spec.sources.get("budget", "")).startswith("plan"):
+        fixed.add("budget")
+    if spec.sources.get("chunk") not in (None, "model card", "default") and \
+            not str(spec.sources.get("chunk", "")).startswith("plan"):
+        fixed.add("chunk")
+    return fixed
+
+
+def with_policy(spec: RunSpec, card: ModelCard | None, kind: str, name: str | None = None,
+                **changes: Any) -> RunSpec:
+    """`spec` with another policy (`name`) and/or changed policy settings (flag keys: budget, stabilizers,
+    positions ...), resolved as at start-up from what the user asked plus `changes` (the chat window's /policy,
+    /budget and /profile). The plan is dropped: a budget the user now names is taken as given."""
+    asked = {**dict(spec.asked), **{k: v for k, v in changes.items() if v is not None}}
+    given_from = {k: spec.sources.get(f"asked.{k}", "command line") for k in asked}
+    given_from.update({k: "chat window" for k, v in changes.items() if v is not None})
+    if name is not None:
+        asked.pop("policy", None)
+    name = name or spec.policy.name
+    cls = policy_class(name)
+    others = {key for key, (field_name, _) in option_keys().items() if field_name not in cls.options}
+    if "heads" not in cls.fields():
+        others.add("heads")
+    # an option of another policy stays asked (for a later switch back) but does not apply to this one
+    policy, sources = policy_spec(name, {k: v for k, v in asked.items() if k not in others or k in changes},
+                                  given_from, card, kind)
+    if name is not None:
+        sources["policy"] = "chat window"
+    return replace(spec, policy=policy, sources={**spec.sources, **sources}, plan=None,
+                   asked=tuple(asked.items()))

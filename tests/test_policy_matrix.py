@@ -1,0 +1,84 @@
+"""Every registered policy on every architecture the engine supports: one registry row enrols a policy here.
+
+Architectures are tiny random models built from the real configs in tests/data/configs (Llama-3.1: q/k/v
+projections; Qwen2.5: q/k/v biases; Phi-3: one fused qkv projection), shrunk to two layers. Each policy reads
+a 1.4K-token document in chunks and answers, then answers a follow-up on the same session (the compressed
+cache carried across turns): both turns finish, an evicting policy's cache stays inside its bound, and the
+follow-up reads only its own tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from localchat.engine.engine import Engine
+from localchat.engine.events import Done
+from localchat.engine.heads import RetainingHeads
+from localchat.engine.policies import POLICIES, make_policy
+from localchat.engine.sampling import GenerationSettings
+from localchat.session import Session
+from tiny import tiny_tokenizer
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+ARCHITECTURES = {"llama": "llama-3.1-8b-instruct.json", "qwen2": "qwen2.5-7b-instruct.json",
+                 "phi3": "phi-3-mini-128k-instruct.json"}
+BUDGET, LOCAL, CHUNK = 96, 16, 128
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def model(request, tok):
+    """A two-layer random model of the architecture's real config (its own attention layout and RoPE)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((CONFIGS / ARCHITECTURES[request.param]).read_text())
+    cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=len(tok), max_position_embeddings=4096,
+               tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.pop("rope_scaling", None)  # the long-context scalings need the real dimensions; plain RoPE here
+    cfg.pop("original_max_position_embeddings", None)
+    cfg.pop("auto_map", None)
+    config = AutoConfig.for_model(**cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(config).float().eval()
+    m.requires_grad_(False)
+    return m
+
+
+def build(name: str, model):
+    cls = POLICIES[name]
+    extra = {"heads": RetainingHeads.random(model, d_r=32)} if "heads" in cls.fields() else {}
+    settings = {"budget": BUDGET, "local": LOCAL} if cls.uses_budget() else {}
+    if "stabilizers" in cls.fields():
+        settings["stabilizers"] = BUDGET // 4
+    return make_policy(name, **settings, **extra)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_reads_and_follows_up_on_every_architecture(name, model, tok):
+    engine = Engine(model, tok, chunk=CHUNK)
+    policy = build(name, model)
+    engine.set_policy(policy)
+    session = Session(engine)
+    settings = GenerationSettings(max_new_tokens=4, ignore_eos=True)
+    document = "The quick brown fox jumps over the lazy dog. " * 32
+    first = list(session.send(f"{document}\nWhat jumps?", settings=settings))[-1]
+    assert isinstance(first, Done), first
+    assert first.prompt_tokens > 1400 and first.new_tokens == 4
+    second = list(session.send("And then?", settings=settings))[-1]
+    assert isinstance(second, Done), second
+    assert second.prompt_tokens < 40  # the follow-up reads its own tokens, not the document again
+    if policy.bounded():
+        assert first.kv_tokens <= BUDGET + LOCAL + first.new_tokens + policy.decode_window
+        assert second.kv_tokens <= BUDGET + LOCAL + second.new_tokens + policy.decode_window
+    elif not policy.evicts:
+        assert second.kv_tokens == session.fed  # every token the conversation has put through
