@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from localchat.engine.cache import KVCache
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
-from localchat.engine.policies import H2O, SirLLM, SnapKV, make_policy
+from localchat.engine.policies import make_policy
+from localchat.engine.policies.h2o import H2O
+from localchat.engine.policies.sirllm import SirLLM
+from localchat.engine.policies.snapkv import SnapKV
 from localchat.engine.policies.attention_stats import Collector, StatsHook
 from localchat.engine.prefill import cache_kwarg, prefill
 from localchat.engine.sampling import GenerationSettings

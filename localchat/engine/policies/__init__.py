@@ -1,21 +1,35 @@
-"""Eviction policies, one module each, and the registry `POLICIES` (name -> Policy class)."""
+"""Eviction policies, one module each (a package for one with machinery of its own), and the registry `POLICIES`
+(name -> Policy class). Adding a policy: its module, and one row in MODULES (CONTRIBUTING.md)."""
+
+from importlib import import_module
 
 from localchat.engine.policies.base import Option, Policy  # noqa: F401
-from localchat.engine.policies.corm import CORM
-from localchat.engine.policies.full import Full
-from localchat.engine.policies.h2o import H2O
-from localchat.engine.policies.locret import Locret
-from localchat.engine.policies.omnikv import OmniKV
-from localchat.engine.policies.random import Random
-from localchat.engine.policies.roco import RoCo
-from localchat.engine.policies.sagekv import SageKV
-from localchat.engine.policies.sirllm import SirLLM
-from localchat.engine.policies.snapkv import SnapKV
-from localchat.engine.policies.streaming import Streaming
 
-POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (Locret, Full, Streaming, H2O, SnapKV, SirLLM, Random, SageKV, OmniKV, RoCo, CORM)
-}
+MODULES = (  # one row per policy: its module under policies/, in the order `localchat policies` lists them
+    "locret",
+    "full",
+    "streaming",
+    "h2o",
+    "snapkv",
+    "sirllm",
+    "random",
+    "sagekv",
+    "omnikv",
+    "roco",
+    "corm",
+)
+
+
+def _policy_in(module: str) -> type[Policy]:
+    """The one Policy class a policy module defines (or, for a package, exports)."""
+    found = {v for v in vars(import_module(f"{__name__}.{module}")).values()
+             if isinstance(v, type) and issubclass(v, Policy) and v.name}
+    if len(found) != 1:
+        raise ImportError(f"policies/{module} must define exactly one named Policy class, found {len(found)}")
+    return found.pop()
+
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in map(_policy_in, MODULES)}
 DEFAULT_POLICY = "locret"  # where its retaining heads ship for the model (or --heads is given)
 PLAIN_POLICY = "full"  # otherwise: nothing evicted
 
