@@ -25,6 +25,10 @@ USAGE = """examples:
   localchat bench plot-training RUN_DIR/train-log.json OUT.png"""
 
 
+EVIDENCE = {"targets": "targets", "cross-check": "crosscheck", "side-by-side": "side_by_side",
+            "plot-training": "training_plot"}  # subcommand -> module with its main(args)
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared with the top-level parser: SUPPRESS keeps a value given before `bench`."""
     s = argparse.SUPPRESS
@@ -186,18 +190,10 @@ def run(args) -> int:
         return _run_perf(args)
     if args.bench_command == "kernels":
         return _run_kernels(args)
-    if args.bench_command == "targets":
-        from localchat.bench.targets import main as targets
-        return targets(args)
-    if args.bench_command == "cross-check":
-        from localchat.bench.crosscheck import main as cross_check
-        return cross_check(args)
-    if args.bench_command == "side-by-side":
-        from localchat.bench.side_by_side import main as side_by_side
-        return side_by_side(args)
-    if args.bench_command == "plot-training":
-        from localchat.bench.training_plot import main as plot_training
-        return plot_training(args)
+    if args.bench_command in EVIDENCE:  # the grid's evidence tables and the heads' training curve
+        from importlib import import_module
+
+        return import_module(f"localchat.bench.{EVIDENCE[args.bench_command]}").main(args)
     from localchat.bench.runner import BenchConfig
     from localchat.bench.runner import run as run_grid
 

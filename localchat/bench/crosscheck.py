@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from localchat.bench.runner import RESULTS, read_rows
-from localchat.errors import UserError
+from localchat.bench.runner import RESULTS, publish, read_rows, require_results
 
 FIELDS = ("task", "length", "policy", "budget", "heads", "positions", "example")
 
@@ -57,11 +56,5 @@ def render(a: Path, b: Path) -> str:
 def main(args) -> int:
     """`localchat bench cross-check`: print the table (and write it to --out)."""
     a, b = Path(args.a), Path(args.b)
-    for d in (a, b):
-        if not (d / RESULTS).exists():
-            raise UserError(f"no {RESULTS} in {d}")
-    text = render(a, b)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return 0
+    require_results(a, b)
+    return publish(render(a, b), args.out)

@@ -33,6 +33,22 @@ MAX_LENGTH = 128 * 1024
 MIN_LENGTH = 64
 
 
+
+def require_results(*directories: Path | None) -> None:
+    """A one-line error for a directory (of those given) without a results file."""
+    for d in directories:
+        if d is not None and not (d / RESULTS).exists():
+            raise UserError(f"no {RESULTS} in {d}")
+
+
+def publish(text: str, out: str | None) -> int:
+    """Print a generated table, and write it to `out` when one is named (the evidence commands' --out)."""
+    if out:
+        Path(out).write_text(text)
+    print(text)
+    return 0
+
+
 @dataclass
 class BenchConfig:
     tasks: list[str]

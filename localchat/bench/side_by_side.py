@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median
 
-from localchat.bench.runner import RESULTS, read_rows
+from localchat.bench.runner import RESULTS, publish, read_rows, require_results
 from localchat.engine.policies import POLICIES as REGISTRY
 from localchat.errors import UserError
 
@@ -49,7 +49,5 @@ def table(directory: Path) -> list[str]:
 def main(args) -> int:
     """`localchat bench side-by-side`: print the table."""
     directory = Path(args.dir)
-    if not (directory / RESULTS).exists():
-        raise UserError(f"no {RESULTS} in {directory}")
-    print("\n".join(table(directory)))
-    return 0
+    require_results(directory)
+    return publish("\n".join(table(directory)), None)

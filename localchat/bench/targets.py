@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from localchat.bench.runner import RESULTS, read_rows
-from localchat.errors import UserError
+from localchat.bench.runner import RESULTS, publish, read_rows, require_results
 
 TASKS = ("passkey", "niah_single", "niah_multikey")
 BASELINES = ("random heads", "streaming", "h2o", "snapkv", "sirllm", "random")
@@ -137,11 +136,5 @@ def render(directory: Path, fill_from: Path | None = None) -> str:
 def main(args) -> int:
     """`localchat bench targets`: print the table (and write it to --out)."""
     directory, fill_from = Path(args.dir), Path(args.fill) if args.fill else None
-    for d in (directory, fill_from):
-        if d and not (d / RESULTS).exists():
-            raise UserError(f"no {RESULTS} in {d}")
-    text = render(directory, fill_from)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return 0
+    require_results(directory, fill_from)
+    return publish(render(directory, fill_from), args.out)
