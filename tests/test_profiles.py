@@ -87,7 +87,7 @@ def test_validate_one_line_per_problem(config):
     assert "profiles.a.positions: must be one of compact, original (got 'sideways')" in joined
     assert "profiles.a.weights: must be one of" in joined
     assert "profiles.a.foo: unknown setting" in joined
-    assert "profiles.b.stabilizers: must be below budget (100 >= 100)" in joined
+    assert "profiles.b: --stabilizers (100) must be below --budget (100)" in joined  # LOCRET's own rule
     assert len(bad) == 8 and all("\n" not in line for line in bad)
 
 

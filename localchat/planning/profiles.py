@@ -106,10 +106,27 @@ def problems(table: dict, where: str) -> list[str]:
         wrong = check_value(key, value, spec)
         if wrong:
             out.append(f"{where}.{key}: {wrong}")
-    budget, stab = table.get("budget"), table.get("stabilizers")
-    if isinstance(budget, int) and isinstance(stab, int) and not isinstance(stab, bool) and stab >= budget >= 1:
-        out.append(f"{where}.stabilizers: must be below budget ({stab} >= {budget})")
+    if not out:  # the policy checks its own settings together (LOCRET: n_s below the budget)
+        policy_problem = _policy_problem(table)
+        if policy_problem:
+            out.append(f"{where}: {policy_problem}")
     return out
+
+
+def _policy_problem(table: dict) -> str | None:
+    """What the profile's policy (or, without one, the policy whose options it sets) says of its settings."""
+    from localchat.engine.policies import POLICIES, make_policy
+
+    keys = {k: v for k, v in table.items() if k in ("budget", "local")}
+    own = {k: v for k, v in table.items() if any(k in c.options for c in POLICIES.values())}
+    name = table.get("policy") or next((n for n, c in POLICIES.items() if own and set(own) <= set(c.options)), None)
+    if name is None or (own and not set(own) <= set(POLICIES[name].options)):
+        return None  # an option the named policy does not take is refused when the profile is used
+    try:
+        make_policy(name, **keys, **own)
+    except UserError as exc:
+        return str(exc)
+    return None
 
 
 def _profile(name: str, table: dict, origin: str) -> Profile:

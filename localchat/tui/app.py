@@ -91,11 +91,11 @@ class LocalChatApp(App):
         from dataclasses import replace
 
         from localchat.planning import profiles
-        from localchat.planning.resolve import with_policy
+        from localchat.planning.resolve import option_keys, with_policy
 
         profile = profiles.find(name)
         values = profile.values
-        changes = {k: values[k] for k in ("budget", "stabilizers", "local", "positions") if k in values}
+        changes = {k: v for k, v in values.items() if k in ("budget", "local", "positions", *option_keys())}
         spec = with_policy(self.spec, self.engine.card, self.engine.device.type, values.get("policy"), **changes)
         if "chunk" in values:
             spec = replace(spec, chunk=int(values["chunk"]))
