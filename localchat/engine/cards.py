@@ -19,6 +19,12 @@ class ModelCard:
     source: dict[str, Any]
     shape: dict[str, Any]
     locret: dict[str, Any] = field(default_factory=dict)
+    heads: dict[str, Any] = field(default_factory=dict)  # where trained retaining heads come from: shipped, or a release
+
+    @property
+    def heads_release(self) -> str | None:
+        """The hub repository of an official LOCRET release holding heads for this model, if there is one."""
+        return self.heads.get("repo")
 
     @property
     def native_window(self) -> int:
@@ -40,6 +46,7 @@ def all_cards() -> tuple[ModelCard, ...]:
                     source=data.get("source", {}),
                     shape=data.get("shape", {}),
                     locret=data.get("locret", {}),
+                    heads=data.get("heads", {}),
                 )
             )
     return tuple(cards)

@@ -148,6 +148,18 @@ class Shape:
             window=int(get("max_position_embeddings") or 0), name=name,
         )
 
+    @classmethod
+    def from_card(cls, card) -> "Shape | None":
+        """From a model card's [shape] table (no config file, no network); None when the card lacks a field."""
+        s = card.shape
+        keys = ("layers", "hidden", "q_heads", "kv_heads", "head_dim", "vocab", "intermediate", "tied", "native_window")
+        if not all(k in s for k in keys):
+            return None
+        return cls(layers=int(s["layers"]), hidden=int(s["hidden"]), q_heads=int(s["q_heads"]),
+                   kv_heads=int(s["kv_heads"]), head_dim=int(s["head_dim"]), vocab=int(s["vocab"]),
+                   intermediate=int(s["intermediate"]), tied=bool(s["tied"]), attn_bias=bool(s.get("attn_bias", False)),
+                   window=int(s["native_window"]), name=card.name)
+
     def params(self) -> dict[str, int]:
         """Parameter counts: `embed`, `lm_head` (0 when tied), `linear` (attention + MLP), `other` (norms, biases)."""
         q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
