@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     from localchat.train import cli as train_cli
 
     train_cli.add_parser(sub)
+    train_cli.add_heads_parser(sub)
     from localchat.bench import cli as bench_cli
 
     bench_cli.add_parser(sub)
@@ -248,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             from localchat.train.cli import run_import
 
             return run_import(args)
+        if args.command == "heads":
+            from localchat.train.cli import run_heads
+
+            return run_heads(args)
         if args.command == "fetch-model":
             from localchat.engine.default_model import ensure_default_model
 

@@ -74,6 +74,23 @@ def test_attach_by_command_and_by_pasted_paths(tiny_engine, tmp_path):
     run(scenario, make_app(tiny_engine))
 
 
+def test_a_typed_absolute_path_attaches_and_is_not_called_a_command(tiny_engine, tmp_path):
+    a = doc(tmp_path, "typed.txt", 300)
+
+    async def scenario(app, pilot):
+        assert "KV 0.0 MiB" in status(app) and "-x" not in status(app)  # no ratio before the first answer
+        app.screen.prompt.focus()
+        app.screen.prompt.value = str(a)  # typed into the input (a paste is another path)
+        await pilot.pause()
+        hint = str(app.screen.query_one("#hint").render())
+        assert "no such command" not in hint and "Enter attaches typed.txt" in hint
+        await pilot.press("enter")
+        await settle(pilot)
+        assert chips(app) == [f"typed.txt · {tiny_engine.count_tokens(a.read_text()):,} tokens ✕"] and not errors(app)
+
+    run(scenario, make_app(tiny_engine))
+
+
 def test_a_large_paste_becomes_a_chip_and_small_multiline_pastes_keep_every_line(tiny_engine):
     big = "line of pasted text\n" * 200
 

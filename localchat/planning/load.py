@@ -4,6 +4,7 @@ check for policies that keep every token, and the plan made after loading where 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from localchat.config import PolicySpec, RunSpec
 from localchat.engine.engine import Engine
@@ -14,19 +15,26 @@ from localchat.errors import UserError
 from localchat.planning import memory
 from localchat.planning.memory import GIB, Shape, dtype_name, kv_unit_bytes, model_bytes, split_bytes
 from localchat.planning.planner import DEFAULT_MARGIN
-from localchat.planning.resolve import Target, fixed_fields, heads_dir_for, plan_spec
+from localchat.planning.resolve import Target, card_for, check_heads, fixed_fields, heads_dir_for, plan_spec
 
 
 def load_heads(engine: Engine, spec: PolicySpec) -> RetainingHeads:
     if spec.heads == "random":
         return RetainingHeads.random(engine.model)
-    directory = heads_dir_for(spec, engine.card)
+    check_heads(spec, engine.card, engine.name)
+    heads = RetainingHeads.load(ensure_heads(spec, engine.card))
+    heads.check_fits(engine.model)
+    return heads
+
+
+def ensure_heads(spec: PolicySpec, card) -> Path:
+    """The heads directory, fetched from the card's official release the first time it is needed."""
+    directory = heads_dir_for(spec, card)
     if directory is None:
-        raise UserError(
-            f"no trained retaining heads ship for {engine.name}; train them with `localchat train-heads`, "
-            f"pass --heads DIR, or --heads random (an ablation), or choose another --policy"
-        )
-    return RetainingHeads.load(directory)
+        from localchat.planning.heads_fetch import fetch_heads
+
+        directory = fetch_heads(card)
+    return directory
 
 
 def build_policy(engine: Engine, spec: PolicySpec) -> Policy:
@@ -49,6 +57,10 @@ def use_spec(engine: Engine, spec: RunSpec) -> None:
 def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
     """Load the model and set it to `spec`. Where `spec` has no plan yet for a bounded policy (its shape was
     unknown before loading), plan now with the loaded model's exact size; `engine.spec` is what runs."""
+    card = card_for(spec.model)
+    check_heads(spec.policy, card, card.name if card else str(spec.model))  # before a multi-minute load
+    if spec.policy.heads is None and "heads" in policy_class(spec.policy.name).fields():
+        ensure_heads(spec.policy, card)  # an official release's heads, fetched once (or a one-line error offline)
     engine = Engine.load(spec.model, chunk=spec.chunk, positions=spec.policy.positions, weights=spec.weights,
                          kv=spec.kv, say=say, before_weights=before_weights)
     engine.admit = admit

@@ -74,9 +74,13 @@ def heads_d_r(directory: Path | None) -> int:
 
 
 def model_facts(spec: str | None) -> tuple[Shape, ModelCard | None]:
-    """(shape, model card or None) without loading any weights. `spec` may also be a config.json file or a
-    directory holding only config.json."""
+    """(shape, model card or None) without loading any weights: from the model card when there is one, else from
+    config.json (`spec` may also be a config.json file or a directory holding only config.json)."""
     path = Path(spec).expanduser() if spec else None
+    card = card_for(spec)
+    shape = Shape.from_card(card) if card is not None and not (path is not None and path.exists()) else None
+    if shape is not None:  # the card knows the shape: no config file, no network
+        return shape, card
     if path is not None and (path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())):
         try:
             cfg = read_config(path)
@@ -164,9 +168,29 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, s
 
 
 def heads_dir_for(spec: PolicySpec, card: ModelCard | None) -> Path | None:
+    """Where the policy's retaining heads are: --heads DIR, the package's (shipped), or the user cache (fetched);
+    None for `random` or where none are at hand yet."""
+    from localchat.planning.heads_fetch import cached_heads
+
     if spec.heads == "random":
         return None
-    return Path(spec.heads).expanduser() if spec.heads else shipped_heads_dir(card)
+    if spec.heads:
+        return Path(spec.heads).expanduser()
+    return shipped_heads_dir(card) or (cached_heads(card) if card is not None else None)
+
+
+def check_heads(spec: PolicySpec, card: ModelCard | None, name: str) -> None:
+    """Before any weights load: the policy's heads exist, or an official release can provide them (fetched at
+    load). One line otherwise, naming the ways on."""
+    if "heads" not in policy_class(spec.name).fields() or spec.heads == "random":
+        return
+    directory = heads_dir_for(spec, card)
+    if spec.heads and not (directory / HEADS_FILE).is_file():
+        raise UserError(f"no retaining heads in {directory} (no {HEADS_FILE}); pass the directory `localchat "
+                        f"train-heads` or `localchat import-heads` wrote, or --heads random (an ablation)")
+    if directory is None and (card is None or not card.heads_release):
+        raise UserError(f"no trained retaining heads ship for {name}; train them with `localchat train-heads`, "
+                        f"pass --heads DIR, or --heads random (an ablation), or choose another --policy")
 
 
 # --- the plan ---------------------------------------------------------------------------------------------------

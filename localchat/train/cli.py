@@ -1,4 +1,4 @@
-"""`localchat train-heads` and `localchat import-heads`: argument wiring for the training pieces."""
+"""`localchat train-heads`, `localchat import-heads` and `localchat heads fetch`: argument wiring for the heads pieces."""
 
 from __future__ import annotations
 
@@ -114,4 +114,26 @@ def run_import(args) -> int:
         raise UserError(f"cannot read the config of {args.model}: {str(exc).splitlines()[0]}") from exc
     import_official(args.source, config).save(args.out)
     print(args.out)
+    return 0
+
+
+def add_heads_parser(sub) -> None:
+    p = sub.add_parser("heads", help="retaining heads of carded models from official LOCRET releases")
+    hs = p.add_subparsers(dest="heads_command", metavar="fetch", required=True)
+    f = hs.add_parser("fetch", help="fetch only the retaining heads of MODEL's official LOCRET release into the cache")
+    f.add_argument("name", nargs="?", metavar="MODEL",
+                   help="a model card's id, alias or upstream id (default: --model, else the embedded default model)")
+    f.add_argument("--revision", default=None, help="branch, tag or commit of the release (default main)")
+
+
+def run_heads(args) -> int:
+    """`localchat heads fetch [MODEL]`: print the cache directory holding the converted heads."""
+    from localchat.engine import cards
+    from localchat.planning.heads_fetch import fetch_heads, releases_line
+
+    name = args.name or getattr(args, "model", None)
+    card = cards.find_card(name) if name else cards.default_card()
+    if card is None:
+        raise UserError(f"no model card for {name!r}; carded models with an official LOCRET release: {releases_line()}")
+    print(fetch_heads(card, revision=args.revision))
     return 0

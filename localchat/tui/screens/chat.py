@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from textual import on
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -153,6 +154,12 @@ class ChatScreen(CommandHandlers, Attachments, SavedChats, Screen):
         value = event.value
         if value.startswith("/policy "):
             hint.update("policies: " + ", ".join(self.app.policy_names()) + "   (Tab completes)")
+            hint.display = True
+        elif value.startswith("/") and "/" in value[1:]:  # a file path being typed, not a command
+            from localchat.documents import parse_path_input
+
+            path = parse_path_input(value)
+            hint.update(f"Enter attaches {Path(path).name}" if path else "a file path: Enter attaches it once it names a file")
             hint.display = True
         elif value.startswith("/") and " " not in value:
             found = commands.matches(value[1:])

@@ -28,8 +28,8 @@ def status_text(engine, session, memory: int | None) -> str:
         budget = session.budget
         parts.append(f"kept {session.kv_units:,}/{budget:,}" if budget else f"kept {session.kv_units:,} (no budget)")
         last = session.last
-        ratio = f"{last.compression:.1f}x" if last else "-x"
-        parts.append(f"KV {session.kv_bytes / MIB:,.1f} MiB ({ratio} smaller)")
+        ratio = f" ({last.compression:.1f}x smaller)" if last else ""  # no ratio before the first answer
+        parts.append(f"KV {session.kv_bytes / MIB:,.1f} MiB{ratio}")
     mem = f"{memory / MIB:,.0f} MiB" if memory is not None else "?"
     parts.append(f"{'GPU' if engine.device.type == 'cuda' else 'RAM'} {mem}")
     if session is not None and session.last is not None:
