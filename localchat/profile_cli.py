@@ -15,7 +15,6 @@ from localchat.args import resolve_spec
 from localchat.config import RunSpec
 from localchat.errors import UserError
 from localchat.planning import profiles
-from localchat.planning.load import load_measured
 from localchat.planning.memory import GIB, MIB, Device, detect, quantized
 from localchat.planning.planner import Plan, make_plan, verify
 from localchat.planning.resolve import Target, fixed_fields, model_facts, plan_request
@@ -103,6 +102,8 @@ def run_plan(args) -> int:
     if args.verify:
         if plan.kind != device.kind or plan.memory_source.startswith("--memory-gb"):
             raise UserError("--verify measures this machine: drop --memory-gb, or use a profile for this device")
+        from localchat.planning.load import load_measured  # the engine's code, only when it runs
+
         engine, baseline = load_measured(spec)
         plan = verify(engine, plan, baseline=baseline if device.kind == "cpu" else None)
     if args.json:
@@ -245,6 +246,8 @@ def run_tune(args) -> int:
     device = detect()
     args.profile = args.profile or "none"  # measure plain auto-detected settings unless a profile is named
     spec, plan, _ = plan_for(args)
+    from localchat.planning.load import load_measured
+
     engine, baseline = load_measured(replace(spec, chunk=plan.chunk))
     window = engine.window if engine.compressing else None
     chunks = [c for c in chunks if not window or plan.budget + c < window]

@@ -1,5 +1,6 @@
 """Switching a model's attention function: policies and the quantized decode plug in through transformers'
-public `AttentionInterface` by name, and read their per-layer payload from the attention module."""
+public `AttentionInterface` by name, and read their per-layer payload from the attention module. Functions are
+registered at their first use, so importing a policy stays cheap (`localchat plan` loads no attention code)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,34 @@ from localchat.engine.heads import attention_modules
 from localchat.errors import UserError
 
 
+_REGISTERED: set[str] = set()
+
+
+def register(impl: str, fn) -> None:
+    """Register `fn` as the attention function `impl`, with SDPA's causal masks (once per name)."""
+    if impl in _REGISTERED:
+        return
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(impl, fn)
+    AttentionMaskInterface.register(impl, sdpa_mask)
+    _REGISTERED.add(impl)
+
+
+def sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own SDPA attention (what the registered functions fall back to or wrap)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 class AttentionSwitch:
-    """Switch `model` to the registered attention function `impl` and set `attr` = `payload` on every
+    """Switch `model` to the attention function `fn`, registered as `impl`, and set `attr` = `payload` on every
     attention layer (the function reads it there); `close()` restores the model."""
 
-    def __init__(self, model, impl: str, attr: str, payload):
+    def __init__(self, model, impl: str, attr: str, payload, fn):
+        register(impl, fn)
         self.model, self.attr = model, attr
         self.previous = model.config._attn_implementation
         self.modules = attention_modules(model)

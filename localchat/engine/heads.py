@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers.activations import ACT2FN
 
 WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
 
@@ -41,6 +40,8 @@ class RetainingHead(nn.Module):
     def __init__(self, in_dim: int, d_r: int, kv_heads: int, act: str):
         super().__init__()
         self.fc1 = nn.Linear(in_dim, d_r, bias=False)
+        from transformers.activations import ACT2FN  # at first use: importing heads stays cheap
+
         self.act = ACT2FN[act]
         self.fc2 = nn.Linear(d_r, kv_heads, bias=False)
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
-
+from localchat.engine.attention import AttentionSwitch, sdpa
 from localchat.kernels.qattn import decode_attention
 from localchat.kernels.quant import group_size
 
@@ -31,7 +28,7 @@ def quant_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = getattr(_pending, "layer", None)
     _pending.layer = None
     if layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+        return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     # one query against every kept unit: no mask is needed (decoding sees the whole cache)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -40,15 +37,10 @@ def quant_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out, None
 
 
-AttentionInterface.register(QATTN_IMPL, quant_attention)
-AttentionMaskInterface.register(QATTN_IMPL, sdpa_mask)
-
-
 class FusedDecode:
     """Switch `model` to the fused attention and the layers of `cache` to defer, if both can; `close()` undoes."""
 
     def __init__(self, model, cache):
-        from localchat.engine.attention import AttentionSwitch
         from localchat.errors import UserError
 
         self.switch = None
@@ -56,7 +48,7 @@ class FusedDecode:
         if not self.layers or model.config._attn_implementation != "sdpa":  # a policy's own attention is on
             return
         try:
-            self.switch = AttentionSwitch(model, QATTN_IMPL, "_localchat_qattn", True)
+            self.switch = AttentionSwitch(model, QATTN_IMPL, "_localchat_qattn", True, quant_attention)
         except (UserError, ValueError):
             return
         for layer in self.layers:

@@ -176,7 +176,7 @@ def fetch_range(remote: Remote, filename: str, start: int, end: int, part: Path)
                     hf_raise_for_status(response)
                 _check_partial(response, remote, filename, start + have)
                 with open(part, "ab") as f:
-                    for chunk in response.iter_bytes(1 << 16):
+                    for chunk in response.iter_bytes():  # as it arrives: a break keeps all that came
                         f.write(chunk)
         except (Broken, Offline) as exc:  # refused on a resume counts as broken too: the next run continues
             last = str(exc)

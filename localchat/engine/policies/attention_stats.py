@@ -18,11 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
-
-from localchat.engine.attention import AttentionSwitch
+from localchat.engine.attention import AttentionSwitch, sdpa
 
 STATS_IMPL = "localchat_stats"
 _ATTR = "_localchat_collector"
@@ -69,17 +65,13 @@ def group_sum(probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def stats_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """SDPA output; plus the collector's window probabilities for this layer when one is installed."""
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    out = sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     collector: Collector | None = getattr(module, _ATTR, None)
     if collector is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         probs = window_probs(query, key, collector.rows, scale, softmax=not collector.logits)
         collector.callback(module.layer_idx, probs)
     return out
-
-
-AttentionInterface.register(STATS_IMPL, stats_attention)
-AttentionMaskInterface.register(STATS_IMPL, sdpa_mask)
 
 
 class StatsHook(AttentionSwitch):
@@ -89,4 +81,4 @@ class StatsHook(AttentionSwitch):
     """
 
     def __init__(self, model, collector: Collector):
-        super().__init__(model, STATS_IMPL, _ATTR, collector)
+        super().__init__(model, STATS_IMPL, _ATTR, collector, stats_attention)

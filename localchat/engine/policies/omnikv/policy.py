@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from typing import TYPE_CHECKING
 
-from localchat.engine.attention import AttentionSwitch
+import torch
+from localchat.engine.attention import AttentionSwitch, sdpa
 from localchat.engine.policies.base import Option, Policy
-from localchat.engine.policies.omnikv.bank import Bank, bank_cache, unbank_cache
 from localchat.errors import UserError
+
+if TYPE_CHECKING:
+    from localchat.engine.policies.omnikv.bank import Bank
 
 OMNIKV_IMPL = "localchat_omnikv"
 _ATTR = "_localchat_omnikv"
@@ -126,7 +126,7 @@ def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dr
             sel.bank.prefetch_after(module.layer_idx, query.shape[2])
         if sel is not None and sel.reading_keep and query.shape[2] > 1:
             return _sparse_reading(module, sel, query, key, value, attention_mask, scaling, dropout, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     role = sel.roles[module.layer_idx]
     if role == "sparse" and sel.index is not None:
         offloaded = sel.bank is not None and module.layer_idx in sel.bank.layers  # then key, value: the answer only
@@ -138,7 +138,7 @@ def omnikv_attention(module, query, key, value, attention_mask, scaling=None, dr
         else:
             key, value = key[:, :, idx], value[:, :, idx]
         attention_mask = attention_mask[..., idx] if attention_mask is not None else None
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    out = sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if role == "filter":
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         sel.index = select_tokens(query, key, sel.prompt, sel.budget, scale, sel.softmax)
@@ -163,16 +163,12 @@ def _sparse_reading(module, sel: Selection, query, key, value, attention_mask, s
             attention_mask = attention_mask[None, None]
         else:
             attention_mask = attention_mask[..., idx]
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    out = sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if role == "filter":
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         chosen = earlier > sel.reading_keep  # else the sparse layers see every earlier token anyway
         sel.reading_index = uniform_select(query, key, earlier, sel.reading_keep, scale, sel.softmax) if chosen else None
     return out
-
-
-AttentionInterface.register(OMNIKV_IMPL, omnikv_attention)
-AttentionMaskInterface.register(OMNIKV_IMPL, sdpa_mask)
 
 
 @dataclass
@@ -230,13 +226,15 @@ class OmniKV(Policy):
         super().attach(model, cache)
         depth = model.config.num_hidden_layers
         roles = layer_roles(depth, self.schedule(depth))
+        from localchat.engine.policies.omnikv.bank import bank_cache, unbank_cache  # the cache layers: at first use
+
         bank = None
         if self.offload:
             bank = bank_cache(cache, bank_groups(roles), next(model.parameters()).device, owner=type(self))
         else:
             unbank_cache(cache)
         self.selection = Selection(roles, self.budget, self.softmax, bank=bank)
-        self.switch = AttentionSwitch(model, OMNIKV_IMPL, _ATTR, self.selection)
+        self.switch = AttentionSwitch(model, OMNIKV_IMPL, _ATTR, self.selection, omnikv_attention)
 
     def prefill_start(self, cache, chunk: int) -> None:
         self.selection.reading_keep = round(self.prefill_ratio * chunk) if self.prefill_ratio else 0
