@@ -60,3 +60,12 @@ def test_console_script_runs_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "localchat", "ask", "--file", str(tmp_path / "nope.txt"), "q"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nope.txt" in proc.stderr
+
+
+def test_an_unsupported_architecture_is_refused_before_loading(tmp_path, capsys):
+    """Gemma-2 soft-caps attention logits, which SDPA cannot: refused in one line from its config alone."""
+    (tmp_path / "config.json").write_text('{"model_type": "gemma2", "num_hidden_layers": 2}')  # no weights at all
+    assert main(["--model", str(tmp_path), "ask", "q"]) == 2
+    err = capsys.readouterr().err
+    assert "gemma2 models are not supported" in err and "llama, mistral, qwen2, qwen3, phi3" in err
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -1,7 +1,8 @@
 """Every registered policy on every architecture the engine supports: one registry row enrols a policy here.
 
 Architectures are tiny random models built from the real configs in tests/data/configs (Llama-3.1: q/k/v
-projections; Qwen2.5: q/k/v biases; Phi-3: one fused qkv projection), shrunk to two layers. Each policy reads
+projections; Qwen2.5: q/k/v biases; Phi-3: one fused qkv projection) or transformers' own configs (Mistral;
+Qwen3: q/k norms), shrunk to two layers. Each policy reads
 a 1.4K-token document in chunks and answers, then answers a follow-up on the same session (the compressed
 cache carried across turns): both turns finish, an evicting policy's cache stays inside its bound, and the
 follow-up reads only its own tokens.
@@ -24,8 +25,10 @@ from localchat.session import Session
 from tiny import tiny_tokenizer
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
-ARCHITECTURES = {"llama": "llama-3.1-8b-instruct.json", "qwen2": "qwen2.5-7b-instruct.json",
-                 "phi3": "phi-3-mini-128k-instruct.json"}
+ARCHITECTURES = {  # one row per architecture: a real config file, or the model_type of transformers' own config
+    "llama": "llama-3.1-8b-instruct.json", "qwen2": "qwen2.5-7b-instruct.json", "phi3": "phi-3-mini-128k-instruct.json",
+    "mistral": {"model_type": "mistral", "sliding_window": None}, "qwen3": {"model_type": "qwen3"},
+}
 BUDGET, LOCAL, CHUNK = 96, 16, 128
 
 
@@ -39,7 +42,8 @@ def model(request, tok):
     """A two-layer random model of the architecture's real config (its own attention layout and RoPE)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = json.loads((CONFIGS / ARCHITECTURES[request.param]).read_text())
+    row = ARCHITECTURES[request.param]
+    cfg = dict(row) if isinstance(row, dict) else json.loads((CONFIGS / row).read_text())
     cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=len(tok), max_position_embeddings=4096,
                tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)

@@ -110,6 +110,37 @@ def model_facts(spec: str | None) -> tuple[Shape, ModelCard | None]:
         raise UserError(f"{spec}: not a decoder config this planner knows ({exc})") from None
 
 
+TESTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # every policy runs on tiny models of these (tests)
+REFUSED = {  # model_type -> why the engine cannot run it
+    "gemma2": "its attention soft-caps logits, which SDPA (the engine's attention path) cannot do",
+    "gemma3": "its attention mixes sliding-window and global layers with a config the engine's paths do not read",
+    "gemma3_text": "its attention mixes sliding-window and global layers with a config the engine's paths do not read",
+}
+
+
+def model_type(spec: str | None) -> str | None:
+    """The architecture (config.json's model_type) known without loading: the card's, or a local config's."""
+    card = card_for(spec)
+    if card is not None and card.shape.get("model_type"):
+        return str(card.shape["model_type"])
+    path = Path(spec).expanduser() if spec else None
+    config = path if path is not None and path.suffix == ".json" else (path / "config.json" if path else None)
+    if config is not None and config.is_file():
+        try:
+            return str(read_config(config).get("model_type") or "") or None
+        except ValueError:
+            return None
+    return None
+
+
+def check_architecture(spec: str | None) -> None:
+    """Refuse, before loading, an architecture the engine cannot run (one line naming the ones it runs)."""
+    kind = model_type(spec)
+    if kind in REFUSED:
+        raise UserError(f"{spec}: {kind} models are not supported ({REFUSED[kind]}); localchat runs "
+                        f"{', '.join(TESTED)} models")
+
+
 # --- the policy ------------------------------------------------------------------------------------------------
 
 
@@ -275,6 +306,7 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
         if key not in given and flags.get(key) not in (None, False):
             given[key], given_from[key] = flags[key], "command line"
     model = given.get("model")
+    check_architecture(model)
     card = card_for(model)
     target = target or Target.of(device)
     policy, sources = policy_spec(given.get("policy"), given, given_from, card, target.kind)
