@@ -120,8 +120,12 @@ def _fetch(card: ModelCard, out: Path, say: Say, endpoint: str | None, token, re
     size = sum(r[2] - r[1] for r in runs)
     say(f"Fetching the retaining heads of {card.name} from {repo} ({len(pieces)} tensors, {size / MIB:,.1f} MiB "
         f"of {len(files)} file(s), only the heads' bytes) into {out} ...")
+    done = 0
     for file, start, end in runs:
         hub_ranges.fetch_range(remote, file, start, end, part_dir / f"{file}.{start}-{end}.part")
+        if size > 64 * MIB and (done + end - start) * 10 // size > done * 10 // size:  # a line per tenth
+            say(f"  {(done + end - start) / MIB:,.0f} of {size / MIB:,.0f} MiB")
+        done += end - start
     tensors = read_pieces(pieces, runs, part_dir)
     meta = {"kind": "fetched", "model": card.id,
             "source": {"repo": repo, "revision": revision, "commit": remote.revision, "files": files,

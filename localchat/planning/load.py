@@ -120,6 +120,9 @@ def load_measured(spec: RunSpec) -> tuple[Engine, int]:
 
     def before(device, dtype) -> None:
         import torch
+        import transformers.activations  # noqa: F401 - the engine imports these at first use; count them
+        import transformers.integrations.sdpa_attention  # noqa: F401 - in the baseline, not the run
+        import transformers.masking_utils  # noqa: F401
 
         x = torch.randn(1, 4, 64, 32, dtype=dtype, device=device)  # page in the kernels a forward uses
         mask = torch.ones(64, 64, dtype=torch.bool, device=device).tril()
