@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import threading
 
@@ -86,8 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LARGEST = 2**62  # no count or seed a user means is larger; torch's seeds and sizes overflow past it
+
+
+def _check_numbers(f: dict) -> None:
+    """Every number given on the command line is finite and of a size a count can have (one line each)."""
+    for key, value in f.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{flag} must be a finite number (got {value})")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= LARGEST:
+            raise UserError(f"{flag} is too large (got {value}); give a number below {LARGEST:,}")
+
+
 def _check_flags(f: dict) -> None:
     """What argparse cannot say: values out of range. The rest is checked where it is resolved."""
+    _check_numbers(f)
     if f["chunk"] is not None and f["chunk"] < 1:
         raise UserError(f"--chunk must be at least 1 (got {f['chunk']})")
     for flag in ("budget", "local", "decode_window"):
@@ -96,6 +111,8 @@ def _check_flags(f: dict) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be {'at least 1' if flag == 'budget' else '>= 0'} (got {value})")
     if f.get("command") != "bench":  # comma-separated axes there, checked by bench
         check_quant(f["weights"], f["kv"])
+    if f.get("margin_mib") is not None and f["margin_mib"] < 0:
+        raise UserError(f"--margin-mib must be >= 0 (got {f['margin_mib']})")
     if f["max_file_mb"] <= 0:
         raise UserError(f"--max-file-mb must be positive (got {f['max_file_mb']})")
 

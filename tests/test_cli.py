@@ -39,6 +39,14 @@ def test_model_flag_before_the_subcommand_is_kept(tiny_dir, capsys):
         (["ask", "--chunk", "0", "q"], "--chunk"),
         (["ask", "--top-p", "2", "q"], "--top-p"),
         (["--model", "/no/such/model", "ask", "q"], "no such model path"),
+        (["ask", "--max-file-mb", "nan", "q"], "--max-file-mb must be a finite number"),
+        (["ask", "--temperature", "nan", "q"], "--temperature must be a finite number"),
+        (["ask", "--seed", "1234567890123456789012345", "q"], "--seed is too large"),
+        (["--policy", "omnikv", "--sparse-prefill", "nan", "ask", "q"], "--sparse-prefill must be a finite number"),
+        (["--budget", "100000000000000000000", "ask", "q"], "--budget is too large"),
+        (["plan", "--memory-gb", "nan"], "--memory-gb must be a finite number"),
+        (["plan", "--margin-mib", "-5"], "--margin-mib must be >= 0"),
+        (["profile", "tune", "--chunks", "abc"], "--chunks takes whole numbers"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, words, tiny_dir, capsys):
