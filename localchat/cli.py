@@ -213,6 +213,8 @@ def run_sessions(args) -> int:
     from localchat.engine.policies import POLICIES
     from localchat.store import Store
 
+    if args.delete is not None and not args.delete.strip():
+        raise UserError("the session name is empty; `localchat sessions` lists the names")
     store = Store()
     if args.delete:
         store.delete(args.delete)

@@ -12,7 +12,13 @@ APP = "localchat"
 
 def _dir(env: str, default: str) -> Path:
     path = Path(os.environ.get(env) or default).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only disk
+        from localchat.errors import UserError
+
+        where = f"{env}={path}" if os.environ.get(env) else str(path)
+        raise UserError(f"cannot use {where} as a directory ({exc.strerror or exc}); point {env} at a directory") from None
     return path
 
 

@@ -60,7 +60,8 @@ def _plan_flags(p) -> None:
 
 def _target(args, device: Device) -> Target:
     """The memory the plan is for: --memory-gb, a profile made for another device, or what is free here."""
-    profile, _ = profiles.choose_profile(args.profile, os.environ, profiles.read_config())
+    config = {} if (args.profile or "").lower() == "none" else profiles.read_config()
+    profile, _ = profiles.choose_profile(args.profile, os.environ, config)
     if args.memory_gb is not None:
         if not args.memory_gb > 0:
             raise UserError(f"--memory-gb must be a positive number (got {args.memory_gb})")

@@ -179,3 +179,26 @@ def test_malformed_config_exits_2_with_one_line(config, capsys):
     assert main(["profile", "list"]) == 2
     err = capsys.readouterr().err
     assert "config.toml: malformed TOML" in err and "line 1" in err and err.count("\n") == 1
+
+
+def test_bad_config_files_and_dirs_are_one_line_errors(config, capsys, tmp_path, monkeypatch):
+    path = config("")
+    path.write_bytes(b'default_profile = "cpu"\n\xff\xfe budget = 1\n')  # not UTF-8
+    assert main(["profile", "show"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "not UTF-8" in err and err.count("\n") == 1
+    config("[profiles.x]\nbudget = \n")  # malformed TOML: `--profile none` still works
+    assert main(["--profile", "none", "plan", "--json"]) == 0
+    capsys.readouterr()
+    config("[profiles.huge]\nbudget = 100000000000000000000\n")
+    assert main(["--profile", "huge", "plan"]) == 2
+    assert "budget: must be below" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(blocker))
+    assert main(["sessions"]) == 2
+    err = capsys.readouterr().err
+    assert f"LOCALCHAT_DATA_DIR={blocker}" in err and err.count("\n") == 1
+    monkeypatch.delenv("LOCALCHAT_DATA_DIR")
+    assert main(["sessions", "--delete", ""]) == 2
+    assert "session name is empty" in capsys.readouterr().err

@@ -82,6 +82,8 @@ def check_value(key: str, value: Any, spec: tuple[str, Any]) -> str | None:
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             return f"must be an integer >= {arg} (got {value!r})"
+        if value >= 2**31:
+            return f"must be below {2**31:,} (got {value})"
         return None if value >= arg else f"must be >= {arg} (got {value})"
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -154,7 +156,13 @@ def read_config(path: Path | None = None) -> dict:
     path = path or config_path()
     if not path.exists():
         return {}
-    return _parse(path.read_text(encoding="utf-8"), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 or move it away") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    return _parse(text, str(path))
 
 
 def builtin_profiles() -> dict[str, Profile]:
@@ -263,7 +271,8 @@ def resolve(cli: dict[str, Any], profile_name: str | None = None, env: dict | No
     """Settings by precedence: `cli` (None = not given) > LOCALCHAT_* env > profile. `device` (a memory.Device)
     turns on the warning for a profile made for another machine."""
     env = os.environ if env is None else env
-    config = read_config()
+    none = (profile_name or "").lower() == "none"
+    config = {} if none else read_config()  # `--profile none` works even beside a broken config.toml
     profile, why = choose_profile(profile_name, env, config)
     if profile is not None:
         bad = problems({**profile.values, **profile.meta}, profile.where)
