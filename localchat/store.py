@@ -108,6 +108,8 @@ class Store:
         self.path = Path(path) if path else data_dir() / "chats.sqlite3"
         self.cache_dir = self.path.parent / "caches"
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if not self.path.exists():  # chats hold whole documents: readable by their owner only
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA foreign_keys = ON")
         self._migrate()
@@ -137,7 +139,11 @@ class Store:
         row = self.db.execute("SELECT settings FROM chats WHERE name = ?", (name,)).fetchone()
         if row is None:
             raise UserError(f"no chat named {name!r}; `localchat sessions` lists them")
-        return json.loads(row[0])
+        try:
+            settings = json.loads(row[0])
+        except (TypeError, ValueError):  # a damaged row: the chat stays listed, without its settings
+            return {}
+        return settings if isinstance(settings, dict) else {}
 
     def exists(self, name: str) -> bool:
         return self.db.execute("SELECT 1 FROM chats WHERE name = ?", (name,)).fetchone() is not None
@@ -240,7 +246,10 @@ class Store:
             return "no cache was saved with it"
         text = engine.render(session._with_system(session.messages[:-1])) + session.messages[-1]["content"]
         try:
-            with safe_open(str(self.cache_dir / cache_file), framework="pt", device=str(engine.device)) as f:
+            path = self._cache_path(cache_file)
+            if path is None:
+                return "its file name is not one localchat writes"
+            with safe_open(str(path), framework="pt", device=str(engine.device)) as f:
                 meta = f.metadata() or {}
                 if meta.get("format") != "localchat-cache-1":
                     return "the file is not a localchat cache"
@@ -264,9 +273,17 @@ class Store:
         state.cache, state.text, state.fed = cache, text, fed
         return None
 
+    def _cache_path(self, cache_file: str | None) -> Path | None:
+        """The cache file a row names, only when it is a plain name of a file inside caches/ (a damaged or hostile
+        row naming `../x` or an absolute path is never read or deleted)."""
+        if not cache_file or Path(cache_file).name != cache_file or not cache_file.endswith(".safetensors"):
+            return None
+        return self.cache_dir / cache_file
+
     def _remove(self, cache_file: str | None) -> None:
-        if cache_file:
-            (self.cache_dir / cache_file).unlink(missing_ok=True)
+        path = self._cache_path(cache_file)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     def _new_name(self) -> str:
         n = 1 + self.db.execute("SELECT COUNT(*) FROM chats").fetchone()[0]

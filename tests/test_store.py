@@ -218,3 +218,31 @@ def test_a_version_1_database_is_migrated_and_its_chats_still_open(engine, tmp_p
     store.save(reopened)
     saved = store.settings("kept")
     assert (saved["policy"], saved["budget"], saved["chunk"], saved["kv"]) == ("locret", 40, 32, "none")
+
+
+def test_hostile_or_damaged_rows_never_touch_files_outside_the_caches_and_never_break_the_list(engine, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """A row's cache_file of `../victim` or an absolute path is neither read nor deleted; a row whose settings are
+    not JSON stays listed; the database is readable by its owner only."""
+    store = Store(tmp_path / "chats.sqlite3")
+    assert os.stat(store.path).st_mode & 0o077 == 0  # 0600: chats hold whole documents
+    victims = [tmp_path / "victim.safetensors", tmp_path / "elsewhere" / "abs.safetensors"]
+    victims[1].parent.mkdir()
+    for v in victims:
+        v.write_text("keep me")
+    for name, cache_file in (("a", "../victim.safetensors"), ("b", str(victims[1]))):
+        session = Session(engine, name=name)
+        _answer(session.send("hello", settings=SETTINGS))
+        store.save(session)
+        store.db.execute("UPDATE chats SET cache_file = ?, settings = 'not json' WHERE name = ?", (cache_file, name))
+        reopened, notices = store.load(name, engine)  # the file is not read: the conversation is re-read instead
+        assert any("not one localchat writes" in n for n in notices)
+        store.delete(name)
+    assert all(v.read_text() == "keep me" for v in victims)
+    session = Session(engine, name="c")
+    _answer(session.send("hello", settings=SETTINGS))
+    store.save(session)
+    store.db.execute("UPDATE chats SET settings = '{broken' WHERE name = 'c'")
+    assert store.settings("c") == {}
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path))
+    assert main(["sessions"]) == 0 and "c " in capsys.readouterr().out
