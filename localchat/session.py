@@ -62,6 +62,7 @@ class Session:
         self.engine = engine
         self.system = system or None
         self.name = name
+        self.saved_at: float | None = None  # when the store last saved (or loaded) it: a newer save elsewhere conflicts
         self.questions: list[str] = []  # the user's own words per user turn (for display and export)
         self.last: Done | None = None
         self._state = _State()

@@ -165,9 +165,13 @@ class Store:
         now = time.time()
         e = session.engine
         settings = {**settings_of(e), "spec": e.spec.to_dict() if e.spec is not None else None}  # the run's RunSpec
-        old = self.db.execute("SELECT id, cache_file, created FROM chats WHERE name = ?", (name,)).fetchone()
-        self.db.execute("BEGIN IMMEDIATE")
+        self.db.execute("BEGIN IMMEDIATE")  # one writer at a time, from the read of the old row to the commit
         try:
+            old = self.db.execute("SELECT id, cache_file, created, updated FROM chats WHERE name = ?",
+                                  (name,)).fetchone()
+            if old and old[3] != session.saved_at:  # another process saved this chat since this one read it
+                raise UserError(f"chat {name!r} changed in another process since this one opened it; this answer was "
+                                f"not saved, so nothing of either is lost: ask again to continue from the saved chat")
             if old:
                 self.db.execute("DELETE FROM chats WHERE id = ?", (old[0],))
             cur = self.db.execute(
@@ -190,17 +194,20 @@ class Store:
             self.db.execute("ROLLBACK")
             self._remove(cache_file)
             raise
+        session.saved_at = now
         if old and old[1] != cache_file:
             self._remove(old[1])
         return name
 
     def load(self, name: str, engine) -> tuple[Session, list[str]]:
         """The saved chat over `engine`, and notices (e.g. why its cache will be re-read)."""
-        row = self.db.execute("SELECT id, system, cache_file, fed FROM chats WHERE name = ?", (name,)).fetchone()
+        row = self.db.execute("SELECT id, system, cache_file, fed, updated FROM chats WHERE name = ?",
+                              (name,)).fetchone()
         if row is None:
             raise UserError(f"no chat named {name!r}; `localchat sessions` lists them")
-        chat_id, system, cache_file, fed = row
+        chat_id, system, cache_file, fed, updated = row
         session = Session(engine, system=system, name=name)
+        session.saved_at = updated
         messages = self.db.execute("SELECT role, content, question FROM messages WHERE chat_id = ? ORDER BY idx",
                                    (chat_id,)).fetchall()
         attachments = self.db.execute(

@@ -246,3 +246,27 @@ def test_hostile_or_damaged_rows_never_touch_files_outside_the_caches_and_never_
     assert store.settings("c") == {}
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path))
     assert main(["sessions"]) == 0 and "c " in capsys.readouterr().out
+
+
+def test_two_processes_answering_in_one_chat_lose_no_turn(engine, tmp_path):
+    """Both open chat S and answer; the first save lands, the second is refused in one line instead of writing over
+    it (the lost-turn bug), and a re-opened chat holds the first one's turn."""
+    path = tmp_path / "chats.sqlite3"
+    first = Session(engine, name="s")
+    _answer(first.send("hello", settings=SETTINGS))
+    Store(path).save(first)
+    a, _ = Store(path).load("s", engine)
+    b, _ = Store(path).load("s", engine)
+    _answer(a.send("from process a", settings=SETTINGS))
+    _answer(b.send("from process b", settings=SETTINGS))
+    Store(path).save(a)
+    with pytest.raises(UserError, match="changed in another process") as err:
+        Store(path).save(b)
+    assert "\n" not in str(err.value)
+    saved, _ = Store(path).load("s", engine)
+    assert saved.questions == ["hello", "from process a"]
+    Store(path).save(a)  # the process that saved keeps saving its later turns
+    fresh = Session(engine, name="s")  # a new chat under a taken name does not replace the saved one either
+    _answer(fresh.send("unrelated", settings=SETTINGS))
+    with pytest.raises(UserError, match="changed in another process"):
+        Store(path).save(fresh)
