@@ -99,6 +99,16 @@ def settings_of(engine) -> dict:
             "kv": getattr(engine, "kv", "none")}
 
 
+def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' names, shapes, dtypes and bytes, in name order (a saved cache's checksum)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def text_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -236,7 +246,7 @@ class Store:
         tensors = {k: v.contiguous() for k, v in cache.tensors().items()}
         meta = {"fingerprint": fingerprint(session.engine), "text": text_hash(session.cached_text),
                 "fed": str(session.fed), "positions": cache.positions, "layers": str(len(cache.layers)),
-                "format": "localchat-cache-1"}
+                "format": "localchat-cache-1", "sha256": tensors_hash(tensors)}
         stem = hashlib.sha256(session.name.encode()).hexdigest()[:12]
         final = self.cache_dir / f"{stem}-{meta['text'][:12]}-{time.time_ns()}.safetensors"
         tmp = final.with_suffix(".tmp")
@@ -265,6 +275,8 @@ class Store:
                 if meta.get("text") != text_hash(text) or int(meta.get("fed", -1)) != fed:
                     return "it does not match the saved messages"
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
+            if meta.get("sha256") != tensors_hash(tensors):  # flipped bytes would read as a wrong cache, silently
+                return "the file is damaged: its tensors do not match their checksum"
         except FileNotFoundError:
             return "its file is missing"
         except Exception as exc:  # noqa: BLE001 - a damaged file: say so, re-read

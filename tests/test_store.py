@@ -270,3 +270,19 @@ def test_two_processes_answering_in_one_chat_lose_no_turn(engine, tmp_path):
     _answer(fresh.send("unrelated", settings=SETTINGS))
     with pytest.raises(UserError, match="changed in another process"):
         Store(path).save(fresh)
+
+
+def test_flipped_bytes_in_a_saved_cache_mean_a_notice_and_a_reread(engine, tmp_path):
+    """A cache file whose header is intact but whose tensor bytes were damaged is not reused (it read as a wrong cache
+    before: garbage answers, saved into the chat)."""
+    store = Store(tmp_path / "c.sqlite3")
+    store.save(_chat(engine, tmp_path), "x")
+    (cache_file,) = (tmp_path / "caches").glob("*.safetensors")
+    data = bytearray(cache_file.read_bytes())
+    for i in range(len(data) - 400, len(data) - 300):  # inside the last tensors' bytes, past the header
+        data[i] ^= 0xFF
+    cache_file.write_bytes(bytes(data))
+    reopened, notices = Store(tmp_path / "c.sqlite3").load("x", engine)
+    assert len(notices) == 1 and "checksum" in notices[0]
+    _, _, done = _answer(reopened.send("Next?", (), SETTINGS))
+    assert isinstance(done, Done) and reopened.turns == 3
