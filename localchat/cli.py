@@ -52,8 +52,15 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--debug", action="store_true", default=d(False), help="show Python tracebacks")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (exit 2), not a usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"localchat: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="localchat", description="Chat with long documents on a local model.")
+    parser = Parser(prog="localchat", description="Chat with long documents on a local model.")
     parser.add_argument("--version", action="version", version=f"localchat {__version__}")
     _model_flags(parser)
     sub = parser.add_subparsers(dest="command")
@@ -152,6 +159,8 @@ def run_ask(args) -> int:
         raise UserError("the question is empty; put it in quotes after `ask`")
     if args.session is not None and not args.session.strip():
         raise UserError("the session name is empty; give one, e.g. --session notes")
+    if args.session is not None and not args.session.isprintable():
+        raise UserError("the session name holds control characters; use letters, digits and punctuation")
     # Read every document before loading the model, so a bad path fails fast.
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
     engine = load_engine(args)
@@ -209,6 +218,11 @@ def _ask_in_session(args, engine, docs, cancel) -> int:
     return EXIT_OK
 
 
+def printable(text: str) -> str:
+    """`text` with control characters (terminal escape codes a saved name may hold) shown escaped, not sent raw."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def run_sessions(args) -> int:
     from localchat.engine.policies import POLICIES
     from localchat.store import Store
@@ -231,7 +245,7 @@ def run_sessions(args) -> int:
         budget = store.settings(c.name).get("budget")
         takes_budget = c.policy in POLICIES and POLICIES[c.policy].uses_budget()
         policy = f"{c.policy} b={budget}" if budget and takes_budget else c.policy
-        rows.append((c.name, c.title[:40], c.model, policy, str(c.turns), f"{c.tokens:,}",
+        rows.append((printable(c.name), printable(c.title[:40]), printable(c.model), policy, str(c.turns), f"{c.tokens:,}",
                      f"{c.kept_bytes / 2**20:,.1f} MiB", time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -241,7 +255,10 @@ def run_sessions(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad command line (one line, Parser.error)
+        return int(exc.code or 0)
     try:
         _check_flags(flags(args))
         if args.command == "ask":

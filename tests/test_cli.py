@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -47,6 +48,8 @@ def test_model_flag_before_the_subcommand_is_kept(tiny_dir, capsys):
         (["plan", "--memory-gb", "nan"], "--memory-gb must be a finite number"),
         (["plan", "--margin-mib", "-5"], "--margin-mib must be >= 0"),
         (["profile", "tune", "--chunks", "abc"], "--chunks takes whole numbers"),
+        (["ask", "--no-such-flag", "q"], "unrecognized arguments: --no-such-flag"),
+        (["ask", "--session", "a\x1b[31mred", "q"], "session name holds control characters"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, words, tiny_dir, capsys):
@@ -77,3 +80,22 @@ def test_an_unsupported_architecture_is_refused_before_loading(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "gemma2 models are not supported" in err and "llama, mistral, qwen2, qwen3, phi3" in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_model_dirs_without_weights_and_unreadable_heads_are_one_line_errors(tiny_dir, tmp_path, capsys):
+    only_config = tmp_path / "only-config"
+    only_config.mkdir()
+    (only_config / "config.json").write_text((Path(tiny_dir) / "config.json").read_text())
+    assert main(["--model", str(only_config), "--policy", "full", "ask", "q"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no weights" in err and err.count("\n") == 1
+    bad_heads = tmp_path / "heads"
+    bad_heads.mkdir()
+    (bad_heads / "heads.json").write_text('{"d_r": 8}')  # no shape
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"x": torch.zeros(2)}, str(bad_heads / "heads.safetensors"))
+    assert main(["--model", tiny_dir, "--policy", "locret", "--heads", str(bad_heads), "ask", "q"]) == 2
+    err = capsys.readouterr().err
+    assert "does not hold retaining heads localchat can read" in err and err.count("\n") == 1

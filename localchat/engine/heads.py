@@ -86,9 +86,13 @@ class RetainingHeads(nn.Module):
             tensors = load_file(directory / WEIGHTS)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot read retaining heads in {directory}: {exc}") from exc
-        shape, d_r = config.pop("shape"), config.pop("d_r")
-        heads = cls(shape, d_r, config)
-        missing, unexpected = heads.load_state_dict(tensors, strict=False)
+        try:
+            shape, d_r = config.pop("shape"), config.pop("d_r")
+            heads = cls(shape, d_r, config)
+            missing, unexpected = heads.load_state_dict(tensors, strict=False)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:  # not heads, or other shapes
+            raise UserError(f"{directory} does not hold retaining heads localchat can read ({type(exc).__name__}: "
+                            f"{(str(exc).splitlines() or [''])[0][:120]}); train or import them again") from None
         if missing or unexpected:  # untrained heads evict at random: never load them silently
             raise UserError(f"retaining heads in {directory} do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
         return heads

@@ -77,6 +77,9 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
     bnb = quantize.bnb_config(weights, device)
     extra = {"quantization_config": bnb, "device_map": {"": device.index or 0}} if bnb is not None else {}
     local = Path(source).is_dir()
+    if local and not any(any(Path(source).glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt")):
+        raise ModelError(f"cannot load model {spec}: {source} holds no weights (*.safetensors or *.bin); "
+                         f"copy the model's weight files there, or pass the directory that has them")
     if not local and not _hub_reachable():  # offline: the cached copy or a clear error, not minutes of retries
         if not _cached(source):
             raise ModelError(f"cannot load model {spec}: it is not in the Hugging Face cache and the hub cannot be "
@@ -92,7 +95,7 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation="sdpa", local_files_only=local, **extra
         )
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # missing files, a tokenizer or config transformers cannot read
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model {spec}: {first}") from exc
     finally:
