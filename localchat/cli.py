@@ -163,6 +163,10 @@ def run_ask(args) -> int:
         raise UserError("the session name holds control characters; use letters, digits and punctuation")
     # Read every document before loading the model, so a bad path fails fast.
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
+    if args.session:  # a save that would fail says so now, not after the answer
+        from localchat.store import Store
+
+        Store().check_writable()
     engine = load_engine(args)
     cancel = threading.Event()
     if args.session:

@@ -48,6 +48,7 @@ MIGRATIONS = {  # version -> SQL that brings version - 1 to it
     # the settings a chat was last answered with (policy and its parameters, positions, chunk, --kv)
     2: "ALTER TABLE chats ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';",
 }
+LOCK_WAIT = 10.0  # seconds a save waits for another process's save before it gives up
 MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document) is not saved
 
 
@@ -120,7 +121,7 @@ class Store:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         if not self.path.exists():  # chats hold whole documents: readable by their owner only
             os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT)
         self.db.execute("PRAGMA foreign_keys = ON")
         self._migrate()
 
@@ -134,6 +135,18 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    def check_writable(self) -> None:
+        """One line now, before an answer is computed, when a save would fail: a locked or read-only database, or a
+        cache folder that cannot be written."""
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("ROLLBACK")
+        except sqlite3.OperationalError as exc:
+            raise UserError(f"cannot save chats in {self.path} ({exc}); close the other localchat that holds it, "
+                            f"or point LOCALCHAT_DATA_DIR at a writable folder") from None
+        if not os.access(self.cache_dir, os.W_OK):
+            raise UserError(f"cannot write to {self.cache_dir}; point LOCALCHAT_DATA_DIR at a writable folder")
 
     # --- listing -------------------------------------------------------------------------------
 

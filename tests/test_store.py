@@ -286,3 +286,17 @@ def test_flipped_bytes_in_a_saved_cache_mean_a_notice_and_a_reread(engine, tmp_p
     assert len(notices) == 1 and "checksum" in notices[0]
     _, _, done = _answer(reopened.send("Next?", (), SETTINGS))
     assert isinstance(done, Done) and reopened.turns == 3
+
+
+def test_a_locked_database_is_reported_before_the_model_answers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr("localchat.store.LOCK_WAIT", 0.2)
+    holder = Store(tmp_path / "chats.sqlite3")
+    holder.db.execute("BEGIN IMMEDIATE")  # another process in the middle of a save that never ends
+    answered = []
+    monkeypatch.setattr("localchat.cli.load_engine", lambda args: answered.append(1))
+    assert main(["ask", "--session", "s", "q"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot save chats" in err and "locked" in err and err.count("\n") == 1
+    assert answered == []  # refused before the model was even loaded
+    holder.db.execute("ROLLBACK")
