@@ -93,15 +93,11 @@ def load_engine(cell: Cell):
 def use_policy(engine, cell: Cell) -> None:
     """The cell's policy, resolved as the app resolves flags (LOCRET's n_s drops to budget // 4 where the card's
     n_s >= budget)."""
-    from localchat.planning.load import build_policy
-    from localchat.planning.resolve import policy_spec
+    from localchat.planning.load import policy_for
 
-    given = {"budget": cell.budget, "heads": cell.heads, "sparse_prefill": cell.sparse_prefill,
-             "positions": cell.positions}
-    spec, _ = policy_spec(cell.policy, {k: v for k, v in given.items() if v is not None}, {}, engine.card,
-                          engine.device.type)
     engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
-    engine.set_policy(build_policy(engine, spec), spec.positions)
+    engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, heads=cell.heads,
+                                 sparse_prefill=cell.sparse_prefill), cell.positions)
 
 
 def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory: str = "subprocess",
