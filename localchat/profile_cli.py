@@ -84,13 +84,13 @@ def plan_for(args, quiet: bool = False) -> tuple[RunSpec, Plan, Device]:
     shape, card = model_facts(spec.model)
     plan = spec.plan
     if plan is None:
-        req = plan_request(spec, card, target.kind, fixed={"chunk"} | ({"budget"} if spec.policy.budget else set()))
+        req = plan_request(spec, card, target.kind, fixed={"chunk", "weights", "kv"} | ({"budget"} if spec.policy.budget else set()))
         plan = make_plan(shape, target.memory, req, kind=target.kind, memory_source=target.source)
     if quantized(plan.request.weights):
         plan.notes.append(f"weights {plan.request.weights}: linear layers only (embeddings, lm_head and norms at "
                           f"16 bits); `--weights {plan.request.weights}` loads them so")
-    if quantized(plan.request.kv):
-        plan.notes.append(f"KV cache {plan.request.kv}: retained units packed with a fp16 scale and zero per 64 "
+    if plan.kv != "none":
+        plan.notes.append(f"KV cache {plan.kv}: retained units packed with a fp16 scale and zero per 64 "
                           f"values; the newest chunk stays full precision until the next eviction")
     if spec.profile:
         profile = profiles.find(spec.profile)
@@ -119,8 +119,9 @@ def plan_dict(plan: Plan) -> dict:
     return {
         "model": plan.shape.name, "params": plan.shape.total_params(), "memory": plan.memory,
         "memory_source": plan.memory_source, "kind": plan.kind, "budget": plan.budget, "chunk": plan.chunk,
-        "local": plan.request.local, "max_new": plan.request.max_new, "weights_dtype": plan.request.weights,
-        "kv_dtype": plan.request.kv, "bytes": dict(e.rows()), "predicted_used": e.used, "predicted_total": e.total,
+        "local": plan.request.local, "max_new": plan.request.max_new, "weights_dtype": plan.weights,
+        "kv_dtype": plan.request.kv_dtype(), "kv": plan.kv, "precision_chosen": list(plan.chosen),
+        "precision_why": plan.precision, "bytes": dict(e.rows()), "predicted_used": e.used, "predicted_total": e.total,
         "fits": plan.fits, "measured_peak": plan.measured_peak, "max_document": plan.max_document(),
         "full_cache_tokens": plan.full_attention_tokens(), "notes": plan.notes,
     }

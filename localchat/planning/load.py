@@ -81,7 +81,8 @@ def plan_loaded(engine: Engine, spec: RunSpec) -> RunSpec:
     act = dtype_name(next(engine.model.parameters()).dtype)
     shape = Shape.from_config(engine.model.config, name=engine.name)
     target = Target(usable, f"free on {device.describe()}", device.kind)
-    return plan_spec(spec, shape, engine.card, target, fixed=fixed_fields(spec), weights_exact=weights, act=act,
+    fixed = fixed_fields(spec) | {"weights"}  # loaded: the weights are what they are
+    return plan_spec(spec, shape, engine.card, target, fixed=fixed, weights_exact=weights, act=act,
                      say=lambda line: print(line, file=sys.stderr))
 
 

@@ -1,5 +1,11 @@
-"""The memory planner: pick the largest budget (up to the model card's target) and the fastest chunk that
-fit the memory, say how long a document can be read, then check the plan against a real chunk.
+"""The memory planner: pick the precision (weights, retained KV cache), the largest budget (up to the model
+card's target) and the fastest chunk that fit the memory, say how long a document can be read, then check the
+plan against a real chunk.
+
+Precision, where the user did not fix it: the highest quality that keeps the target budget. Each step down
+has a quality cost (WEIGHT_COST, KV_COST: int8 is close to lossless, 4 bits costs more, a 2-bit cache the
+most); the cheapest combination that fits wins, the higher weights precision on a tie. When none keeps the
+target, the one with the largest budget (2-bit caches only if nothing else fits at all).
 
 `make_plan` is arithmetic only (no weights are loaded); `verify` runs one chunk on a full cache with the
 loaded engine, reads the real peak, and shrinks the chunk (then the budget) while it does not fit.
@@ -9,13 +15,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from localchat.planning.memory import GIB, MIB, Device, Estimate, Shape, estimate, kv_unit_bytes, split_bytes
 from localchat.errors import UserError
+from localchat.planning.memory import (GIB, MIB, Device, Estimate, Shape, estimate, kv_unit_bytes, quantized,
+                                       split_bytes)
 
 CHUNKS = (256, 512, 1024, 2048, 4096)  # candidate chunk sizes, smallest first
 DEFAULT_TARGET = 16384  # budget target without a model card (LOCRET's Llama-3.1-8B setting)
 DEFAULT_MARGIN = {"cuda": 1024 * MIB, "cpu": 512 * MIB}
 LONG_DOC = 128 * 1024
+
+# What the planner may choose, best first, and the quality cost of each step (lower is better).
+WEIGHT_CHOICES = {"cuda": ("bf16", "int8", "nf4"), "cpu": ("fp32", "bf16", "int8", "int4")}
+KV_CHOICES = ("none", "int8", "int4", "int2")
+WEIGHT_COST = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "nf4": 3, "int4": 3}
+KV_COST = {"none": 0, "fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "int4": 2, "int2": 5}
+FLOATS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -26,9 +40,9 @@ class Request:
     chunk: int | None = None
     local: int = 96
     max_new: int = 512
-    weights: str = "bf16"
-    kv: str = "bf16"
-    act: str = "bf16"
+    weights: str | None = "bf16"  # None: the planner chooses (WEIGHT_CHOICES)
+    kv: str | None = "bf16"  # "none" or a float dtype: full precision; int8/int4/int2; None: the planner chooses
+    act: str = "bf16"  # the activations' dtype when the weights are quantized (float weights set their own)
     d_r: int = 0  # retaining heads' hidden size (0: no heads)
     margin: int | None = None  # bytes; None: DEFAULT_MARGIN for the device kind
     target: int | None = None  # budget target (model card); None: DEFAULT_TARGET
@@ -39,6 +53,15 @@ class Request:
     weights_exact: int | None = None  # bytes of the loaded model, when it is loaded
     policy: object = None  # the Policy; its scoring may need memory of its own (Policy.score_bytes)
     host_memory: int | None = None  # bytes free in host memory, for layers the policy offloads there (OmniKV)
+    doc_tokens: int = LONG_DOC  # the document to serve: a policy that keeps the whole prompt must hold it
+
+    def kv_dtype(self) -> str:
+        """The retained cache's dtype name: the activations' when it is not quantized."""
+        return self.act if self.kv in (None, "none") else self.kv
+
+    def at(self, weights: str, kv: str) -> "Request":
+        """This request with the precision fixed (float weights carry their own activation dtype)."""
+        return replace(self, weights=weights, kv=kv, act=weights if weights in FLOATS else self.act)
 
 
 @dataclass
@@ -53,6 +76,17 @@ class Plan:
     estimate: Estimate
     notes: list[str] = field(default_factory=list)
     measured_peak: int | None = None  # bytes, after verify()
+    precision: list[str] = field(default_factory=list)  # why these weights and cache (when the plan chose them)
+    chosen: tuple[str, ...] = ()  # which of "weights", "kv" the plan chose (the others were fixed)
+
+    @property
+    def weights(self) -> str:
+        return self.request.weights
+
+    @property
+    def kv(self) -> str:
+        """`none` (full precision) or the quantized cache type."""
+        return self.request.kv if quantized(self.request.kv_dtype()) else "none"
 
     @property
     def fits(self) -> bool:
@@ -67,13 +101,14 @@ class Plan:
         """How many tokens the same memory holds with no eviction (a full cache, original positions). With
         offloaded layers the device holds the others' K/V (plus two streamed through), host memory the rest."""
         r = self.request
-        fixed = estimate(self.shape, budget=0, chunk=self.chunk, local=0, max_new=0, weights=r.weights, kv=r.kv,
+        full = r.act  # a cache without eviction is the plain one, at the activations' dtype
+        fixed = estimate(self.shape, budget=0, chunk=self.chunk, local=0, max_new=0, weights=r.weights, kv=full,
                          act=r.act, d_r=r.d_r, margin=self.estimate.margin, weights_exact=r.weights_exact)
         per_token = estimate(self.shape, budget=1, chunk=self.chunk, local=0, max_new=0, weights=r.weights,
-                             kv=r.kv, act=r.act, d_r=r.d_r, margin=self.estimate.margin,
+                             kv=full, act=r.act, d_r=r.d_r, margin=self.estimate.margin,
                              weights_exact=r.weights_exact).total - fixed.total
         off, depth = (self.offloaded() if offload else 0), self.shape.layers
-        unit = kv_unit_bytes(self.shape, r.kv)
+        unit = kv_unit_bytes(self.shape, full)
         on_device, in_host = split_bytes(unit, depth, off, prompt=1)
         per_token -= unit - on_device
         n = max(0, (self.memory - fixed.total) // max(per_token, 1))
@@ -94,7 +129,9 @@ class Plan:
         out = [f"model        {self.shape.name}: {self.shape.total_params() / 1e9:.2f}B parameters, "
                f"{self.shape.layers} layers, {self.shape.kv_heads} KV heads x {self.shape.head_dim}",
                f"memory       {self.memory / GIB:.1f} GiB ({self.memory_source})",
-               f"weights      {r.weights}, KV cache {r.kv}, activations {r.act}", ""]
+               f"weights      {r.weights}, KV cache {self.kv if self.kv != 'none' else r.kv_dtype()}, "
+               f"activations {r.act}{' (chosen by the plan)' if self.chosen else ''}"]
+        out += [f"precision    {line}" for line in self.precision] + [""]
         for label, value in e.rows():
             out.append(f"  {label:<18} {value / GIB:8.2f} GiB")
         out.append(f"  {'total':<18} {e.total / GIB:8.2f} GiB of {self.memory / GIB:.1f} GiB"
@@ -146,7 +183,7 @@ def _margin(req: Request, kind: str) -> int:
 
 def _estimate(shape: Shape, req: Request, budget: int, chunk: int, margin: int) -> Estimate:
     return estimate(shape, budget=budget, chunk=chunk, local=req.local, max_new=req.max_new, weights=req.weights,
-                    kv=req.kv, act=req.act, d_r=req.d_r, margin=margin, weights_exact=req.weights_exact,
+                    kv=req.kv_dtype(), act=req.act, d_r=req.d_r, margin=margin, weights_exact=req.weights_exact,
                     policy=req.policy)
 
 
@@ -167,8 +204,81 @@ def _chunk_order(req: Request) -> list[int]:
     return first + [c for c in sorted(CHUNKS, reverse=True) if c not in first]
 
 
+def precision_choices(req: Request, kind: str) -> list[tuple[str, str]]:
+    """(weights, kv) pairs the plan may use, best quality first (a fixed one is the only choice on its side)."""
+    weights = [req.weights] if req.weights else list(WEIGHT_CHOICES.get(kind, WEIGHT_CHOICES["cpu"]))
+    kvs = [req.kv] if req.kv else list(KV_CHOICES)
+    rank = {w: i for i, w in enumerate(weights)}
+    pairs = [(w, k) for w in weights for k in kvs]
+    return sorted(pairs, key=lambda p: (WEIGHT_COST.get(p[0], 0) + KV_COST.get(p[1], 0), rank[p[0]]))
+
+
+def _label(weights: str, kv: str) -> str:
+    return f"{weights} weights + {'a full-precision' if kv in ('none', *FLOATS) else kv} cache"
+
+
 def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memory_source: str = "") -> Plan:
-    """The plan for `memory` bytes; UserError (saying what would fit) when nothing does."""
+    """The plan for `memory` bytes, choosing the precision the request leaves open; UserError (saying what
+    would fit) when nothing does."""
+    pairs = precision_choices(req, kind)
+    if len(pairs) == 1:
+        return _plan_at(shape, memory, req.at(*pairs[0]) if req.weights is None or req.kv is None else req,
+                        kind=kind, memory_source=memory_source)
+    chosen = tuple(k for k in ("weights", "kv") if getattr(req, k) is None)
+    plans: list[Plan] = []
+    for pair in pairs:
+        try:
+            plans.append(_plan_at(shape, memory, req.at(*pair), kind=kind, memory_source=memory_source))
+        except UserError:
+            continue
+        if _keeps_target(plans[-1]):
+            break
+    if not plans:
+        w, k = pairs[-1]
+        e = _estimate(shape, req.at(w, k), 1, min(_chunk_order(req)), _margin(req, kind))
+        raise UserError(f"{shape.name} does not fit in {memory / GIB:.1f} GiB even with {_label(w, k)}: the weights "
+                        f"alone take {e.weights / GIB:.1f} GiB (+ margin {e.margin / GIB:.1f} GiB); try a smaller model")
+    plan = plans[-1]
+    if not _keeps_target(plan):  # none keeps the target: the largest budget, a 2-bit cache only as the last resort
+        usable = [p for p in plans if p.request.kv != "int2"] or plans
+        plan = max(usable, key=lambda p: p.budget)
+    plan.chosen = chosen
+    plan.precision = _why(shape, plan, pairs, memory, kind)
+    return plan
+
+
+def _target(shape: Shape, req: Request) -> int:
+    target = req.budget or req.target or DEFAULT_TARGET
+    if req.compact and shape.window:
+        target = min(target, shape.window - min(_chunk_order(req)) - 1)
+    return target
+
+
+def _keeps_target(plan: Plan) -> bool:
+    r = plan.request
+    if r.holds_prompt and (plan.max_document() or 0) < r.doc_tokens:
+        return False
+    return plan.budget >= _target(plan.shape, r) // 64 * 64
+
+
+def _why(shape: Shape, plan: Plan, pairs: list[tuple[str, str]], memory: int, kind: str) -> list[str]:
+    """What the plan chose and what the next step up would need."""
+    r = plan.request
+    pair = (r.weights, r.kv)
+    index = pairs.index(pair)
+    goal = f"budget {plan.budget:,}" if _keeps_target(plan) else f"the largest budget ({plan.budget:,})"
+    if index == 0:
+        return [f"{_label(*pair)}: the highest quality, and it keeps {goal}"]
+    up = pairs[index - 1]
+    need = _estimate(shape, r.at(*up), _target(shape, r), min(_chunk_order(r)), _margin(r, kind)).total
+    lines = [f"{_label(*pair)}: the highest quality that keeps {goal} in {memory / GIB:.1f} GiB",
+             f"next step up: {_label(*up)} would need {need / GIB:.1f} GiB at budget {_target(shape, r):,} "
+             f"({(need - memory) / GIB:+.1f} GiB)"]
+    return lines
+
+
+def _plan_at(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memory_source: str = "") -> Plan:
+    """The plan at the request's precision; UserError (saying what would fit) when nothing does."""
     margin = _margin(req, kind)
     chunks = _chunk_order(req)
     smallest = min(chunks)

@@ -152,8 +152,10 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, s
     options = option_keys()
     heads = given.get("heads")
     if name is None:
-        name = DEFAULT_POLICY if heads or shipped_heads_dir(card) else PLAIN_POLICY
-        sources["policy"] = "default (heads ship for the model)" if name == DEFAULT_POLICY else "default"
+        release = card is not None and bool(card.heads_release)  # official heads, fetched at first load
+        name = DEFAULT_POLICY if heads or shipped_heads_dir(card) or release else PLAIN_POLICY
+        sources["policy"] = ("default (heads ship for the model)" if shipped_heads_dir(card) or heads else
+                             "default (official heads for the model, fetched at first load)" if release else "default")
     else:
         sources["policy"] = given_from.get("policy", "command line")
     cls = policy_class(name)
@@ -246,10 +248,11 @@ def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set
         throughput = {int(c): float(t) for c, t in zip(measured.get("chunks", []), measured.get("tokens_per_s", []))}
     offload = bool(p.param("offload"))
     policy = cls(**{k: v for k, v in p.settings().items() if k != "heads"}) if cls.uses_budget() else cls()
+    weights = (spec.weights or act) if "weights" in fixed else None
     return Request(
         budget=p.budget if "budget" in fixed else None, chunk=spec.chunk if "chunk" in fixed else None,
-        local=p.local, max_new=spec.generation.max_new_tokens, weights=spec.weights or act,
-        kv=spec.kv if spec.kv not in (None, "none") else act, act=act, d_r=d_r,
+        local=p.local, max_new=spec.generation.max_new_tokens, weights=weights,
+        kv=(spec.kv or "none") if "kv" in fixed else None, act=act, d_r=d_r,
         margin=spec.margin_mib * MIB if spec.margin_mib is not None else None,
         target=p.budget if _from_card(spec, "budget") else None,
         card_chunk=spec.chunk if _from_card(spec, "chunk") else None,
@@ -266,6 +269,11 @@ def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
     cls = policy_class(p.name)
     sources = dict(spec.sources)
     fits = f"{plan.memory / GIB:.1f} GiB"
+    precision = {}
+    for key in ("weights", "kv"):
+        if key not in fixed and key in plan.chosen:
+            precision[key] = getattr(plan, key)
+            sources[key] = f"plan: {plan.precision[0]}" if plan.precision else "plan"
     lowered = [(k, old, new) for k, old, new in (("budget", p.budget, plan.budget), ("chunk", spec.chunk, plan.chunk))
                if k not in fixed and old is not None and new < old and _from_card(spec, k)]
     if lowered and say is not None:
@@ -283,7 +291,7 @@ def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
         given = {k for k in params if k in dict(spec.asked)}
         params = {k: v for k, v in cls.settle({**params, "budget": plan.budget}, given).items() if k != "budget"}
         p = replace(p, budget=plan.budget, params=tuple(params.items()))
-    return replace(spec, policy=p, chunk=chunk, sources=sources, plan=plan)
+    return replace(spec, policy=p, chunk=chunk, sources=sources, plan=plan, **precision)
 
 
 # --- the resolution -----------------------------------------------------------------------------------------------
@@ -357,7 +365,7 @@ def plan_spec(spec: RunSpec, shape: Shape, card: ModelCard | None, target: Targe
 
 def fixed_fields(spec: RunSpec) -> set[str]:
     """The plan's fields the user fixed (a flag, the environment or a profile), which a plan must keep."""
-    fixed = set()
+    fixed = {k for k in ("weights", "kv") if k in spec.sources and not str(spec.sources[k]).startswith("plan")}
     if spec.sources.get("budget") not in (None, "model card", "policy default", "default") and \
             not str(spec.sources.get("budget", "")).startswith("plan"):
         fixed.add("budget")
