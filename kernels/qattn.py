@@ -32,6 +32,24 @@ def decode_attention(query, quant, tail_k, tail_v, bits: int, group: int, scalin
 # --- the twin ----------------------------------------------------------------------------------------------
 
 
+BLOCK_UNITS = 1024  # units dequantized at a time: the temporaries stay this small whatever the cache holds
+
+
+def dequantize_into(quant, bits: int, group: int, out_k, out_v, inv_freq=None, block: int = BLOCK_UNITS) -> None:
+    """Write the quantized part into `out_k`, `out_v` `[1, H, >= nq, d]` (any float dtype), `block` units at a
+    time: keys rotated to their slots when `inv_freq` is given. The math is fp32, as in dequantized_keys_values."""
+    nq = quant["qk"].shape[2]
+    for a in range(0, nq, block):
+        b = min(nq, a + block)
+        part = {name: t[:, :, a:b] for name, t in quant.items()}
+        keys = dequantize(part["qk"], part["ks"], part["kz"], bits, group)
+        if inv_freq is not None:
+            cos, sin = rope_table(torch.arange(a, b, device=keys.device), inv_freq)
+            keys = rotate(keys, cos, sin)
+        out_k[:, :, a:b] = keys
+        out_v[:, :, a:b] = dequantize(part["qv"], part["vs"], part["vz"], bits, group)
+
+
 def dequantized_keys_values(quant, bits: int, group: int, inv_freq=None, value_dtype=torch.float32):
     """fp32 keys (rotated to their slots when `inv_freq` is given) and `value_dtype` values `[1, H, nq, d]`."""
     keys = dequantize(quant["qk"], quant["ks"], quant["kz"], bits, group)
@@ -42,10 +60,11 @@ def dequantized_keys_values(quant, bits: int, group: int, inv_freq=None, value_d
 
 
 def decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq=None):
-    keys, values = tail_k.float(), tail_v.float()
-    if quant["qk"].shape[2] > 0:
-        old_k, old_v = dequantized_keys_values(quant, bits, group, inv_freq)
-        keys, values = torch.cat([old_k, keys], dim=-2), torch.cat([old_v, values], dim=-2)
+    nq, (_, h, nt, d) = quant["qk"].shape[2], tail_k.shape
+    keys = torch.empty((1, h, nq + nt, d), dtype=torch.float32, device=query.device)
+    values = torch.empty_like(keys)
+    dequantize_into(quant, bits, group, keys, values, inv_freq)
+    keys[:, :, nq:], values[:, :, nq:] = tail_k, tail_v
     keys, values = keys[0], values[0]  # [H, n, d]
     h_q, h = query.shape[1], keys.shape[0]
     q = query[0, :, -1].float().reshape(h, h_q // h, -1)  # [H, G, d]

@@ -19,7 +19,7 @@ from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
 from localchat.engine.policies import PLAIN_POLICY, Policy, make_policy
 from localchat.engine.qattention import FusedDecode
-from localchat.engine.qcache import KV_CHOICES, QuantizedKVCache, kv_bits
+from localchat.engine.qcache import KV_CHOICES, RESIDUAL, QuantizedKVCache, kv_bits
 from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
 from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings, pick_token
@@ -143,7 +143,7 @@ class Engine:
         inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
         if self.kv != "none":
             return QuantizedKVCache(self.model.config.num_hidden_layers, kv_bits(self.kv), reserve=reserve,
-                                    positions=self.positions, inv_freq=inv_freq)
+                                    positions=self.positions, inv_freq=inv_freq, tail=self.chunk + RESIDUAL)
         return KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
                        inv_freq=inv_freq)
 

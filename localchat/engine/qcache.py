@@ -48,9 +48,10 @@ def kv_bits(kv: str | None) -> int:
 class QuantizedKVLayer(KVLayer):
     """A KVLayer whose old units are quantized (see the module doc). `update` returns full-precision K/V."""
 
-    def __init__(self, reserve: int = 0, bits: int = 4, residual: int = RESIDUAL):
+    def __init__(self, reserve: int = 0, bits: int = 4, residual: int = RESIDUAL, tail: int = 0):
         super().__init__(reserve)
         self.bits, self.residual = bits, residual
+        self.tail_reserve = tail  # the tail's first allocation: a chunk + the residual (what the planner counts)
         self.inv_freq: torch.Tensor | None = None  # set in compact mode: quantized keys are stored un-rotated
         self.nq = 0
         self.defer = False  # a decode step hands the quantized part to the fused attention (engine/qattention.py)
@@ -89,7 +90,7 @@ class QuantizedKVLayer(KVLayer):
         cap = 0 if self._tk is None else self._tk.shape[-2]
         if need <= cap:
             return
-        new_cap = max(need, int(cap * 1.5) + 64)
+        new_cap = max(need, self.tail_reserve, int(cap * 1.5) + 64)
         tk = like_k.new_empty((1, like_k.shape[1], new_cap, like_k.shape[-1]))
         tv = like_v.new_empty((1, like_v.shape[1], new_cap, like_v.shape[-1]))
         if self.nt:
@@ -162,8 +163,19 @@ class QuantizedKVLayer(KVLayer):
 
             defer(self)
             return self.keys, self.values
-        old_k, old_v = self.dequantized(key_states.dtype)
-        return torch.cat([old_k, self.keys], dim=-2), torch.cat([old_v, self.values], dim=-2)
+        return self.whole(key_states.dtype)
+
+    def whole(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every unit at full precision `[1, H, n, d]` for one forward: a copy the size of the layer's cache at
+        `dtype` (dequantized a block at a time), then freed; the planner counts it (memory.kv_copy_bytes)."""
+        from localchat.kernels.qattn import dequantize_into
+
+        h, d = self._tk.shape[1], self._tk.shape[-1]
+        keys = self._tk.new_empty((1, h, self.n, d), dtype=dtype)
+        values = self._tv.new_empty((1, h, self.n, d), dtype=dtype)
+        dequantize_into(self.quantized(), self.bits, group_size(d), keys, values, self.inv_freq)
+        keys[:, :, self.nq :], values[:, :, self.nq :] = self.keys, self.values
+        return keys, values
 
     # --- eviction ------------------------------------------------------------------------------------------
 
@@ -249,10 +261,10 @@ class QuantizedKVCache(KVCache):
     """KVCache whose layers are QuantizedKVLayer with `bits` (8, 4 or 2)."""
 
     def __init__(self, num_layers: int, bits: int, reserve: int = 0, positions: str = "original", inv_freq=None,
-                 residual: int = RESIDUAL):
+                 residual: int = RESIDUAL, tail: int = 0):
         super().__init__(num_layers, reserve=reserve, positions=positions, inv_freq=inv_freq)
-        self.bits, self.residual = bits, residual
-        self.layers = [QuantizedKVLayer(reserve, bits, residual) for _ in range(num_layers)]
+        self.bits, self.residual, self.tail = bits, residual, tail
+        self.layers = [QuantizedKVLayer(reserve, bits, residual, tail) for _ in range(num_layers)]
         for layer in self.layers:
             layer.inv_freq = inv_freq if positions == "compact" else None
 
@@ -281,6 +293,7 @@ class QuantizedKVCache(KVCache):
 
     def clone(self) -> "QuantizedKVCache":
         copy = QuantizedKVCache(len(self.layers), self.bits, reserve=self.layers[0].reserve,
-                                positions=self.positions, inv_freq=self.inv_freq, residual=self.residual)
+                                positions=self.positions, inv_freq=self.inv_freq, residual=self.residual,
+                                tail=self.tail)
         copy.load_tensors(self.tensors())
         return copy

@@ -125,6 +125,10 @@ def load_measured(spec: RunSpec) -> tuple[Engine, int]:
         import transformers.integrations.sdpa_attention  # noqa: F401 - in the baseline, not the run
         import transformers.masking_utils  # noqa: F401
 
+        if spec.kv not in (None, "none"):
+            from localchat.kernels.quant import _quanto_ops
+
+            _quanto_ops()  # the quantized cache's codes come from quanto's op: its library is the baseline's
         x = torch.randn(1, 4, 64, 32, dtype=dtype, device=device)  # page in the kernels a forward uses
         mask = torch.ones(64, 64, dtype=torch.bool, device=device).tril()
         torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)

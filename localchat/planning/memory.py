@@ -3,7 +3,11 @@
 The memory model (docs/design.md §3, docs/methods/locret.md §2.6) in bytes:
   weights      parameters x bytes per parameter (4-bit: linear layers only, 0.5 byte + one fp32 scale per 64)
   kv           (budget + chunk + n_loc + max_new) units x layers x KV heads x (K + V at the cache dtype
-               + an fp32 score + an int64 position): what engine/cache.py allocates
+               + an fp32 score + an int64 position): what engine/cache.py allocates. A quantized cache
+               (engine/qcache.py) holds packed codes + an fp16 scale and zero per group instead of K + V,
+               and a full-precision tail of chunk + RESIDUAL units per layer
+  kv copy      a quantized cache only: each forward reads one layer's units through a full-precision copy
+               (keys and values at the activation dtype, dequantized BLOCK_UNITS at a time), then frees it
   activations  one chunk through one layer (residual, norm, q/k/v, MLP gate/up/product) + last logits
   scratch      one chunk's attention: K/V repeated to the query heads (SDPA with a mask) + the mask
   heads        the retaining heads' weights and one chunk of their input and hidden layer
@@ -201,9 +205,36 @@ def weight_bytes(shape: Shape, weights: str = "bf16") -> int:
 
 
 def kv_unit_bytes(shape: Shape, kv: str = "bf16") -> int:
-    """One unit in every layer and KV head: K and V at `kv`, an fp32 score and an int64 position."""
-    per_head = 2 * shape.head_dim * elem_bytes(kv) + 4 + 8
+    """One unit in every layer and KV head: K and V at `kv` (quantized: packed codes with an fp16 scale and
+    zero per group of head_dim), an fp32 score and an int64 position."""
+    d = shape.head_dim
+    if quantized(kv):
+        from localchat.kernels.quant import group_size
+
+        per_head = 2 * d * dtype_bits(kv) // 8 + 4 * (d // group_size(d)) * 2 + 4 + 8
+    else:
+        per_head = 2 * d * elem_bytes(kv) + 4 + 8
     return int(round(shape.layers * shape.kv_heads * per_head))
+
+
+def kv_tail_bytes(shape: Shape, kv: str, act: str, chunk: int) -> int:
+    """A quantized cache's full-precision tail (chunk + RESIDUAL units per layer, at `act`); 0 for a plain one."""
+    if not quantized(kv):
+        return 0
+    from localchat.engine.qcache import RESIDUAL
+
+    return int((chunk + RESIDUAL) * shape.layers * shape.kv_heads * 2 * shape.head_dim * elem_bytes(act))
+
+
+def kv_copy_bytes(shape: Shape, kv: str, act: str, kv_len: int) -> int:
+    """A quantized cache's transient copy of one layer (`kv_len` units, K and V at `act`) plus the temporaries of
+    dequantizing one block (codes unpacked, fp32 math, the rotation); 0 for a plain cache."""
+    if not quantized(kv):
+        return 0
+    from localchat.kernels.qattn import BLOCK_UNITS
+
+    per_unit = shape.kv_heads * shape.head_dim
+    return int(2 * kv_len * per_unit * elem_bytes(act) + BLOCK_UNITS * per_unit * 40)
 
 
 def split_bytes(unit: int, depth: int, offloaded: int, prompt: int, answer: int = 0, held: int = 0) -> tuple[int, int]:
@@ -255,19 +286,22 @@ class Estimate:
     margin: int
     notes: list[str] = field(default_factory=list)
     scores: int = 0  # what the policy's scoring adds (attention rows in fp32, CORM's messages)
+    kv_copy: int = 0  # a quantized cache's full-precision copy of one layer during a forward
 
     @property
     def used(self) -> int:
         """Peak bytes the engine itself uses (everything but the margin)."""
-        return self.weights + self.kv + self.activations + self.scratch + self.heads + self.scores
+        return self.weights + self.kv + self.activations + self.scratch + self.heads + self.scores + self.kv_copy
 
     @property
     def total(self) -> int:
         return self.used + self.margin
 
     def rows(self) -> list[tuple[str, int]]:
-        rows = [("weights", self.weights), ("KV cache", self.kv), ("activations", self.activations),
-                ("attention scratch", self.scratch), ("retaining heads", self.heads)]
+        rows = [("weights", self.weights), ("KV cache", self.kv)]
+        rows += [("KV copy (1 layer)", self.kv_copy)] if self.kv_copy else []
+        rows += [("activations", self.activations), ("attention scratch", self.scratch),
+                 ("retaining heads", self.heads)]
         return rows + ([("policy scores", self.scores)] if self.scores else []) + [("margin", self.margin)]
 
 
@@ -279,7 +313,8 @@ def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: 
     units = kv_units(budget, chunk, local, max_new)
     return Estimate(
         weights=weights_exact if weights_exact is not None else weight_bytes(shape, weights),
-        kv=units * kv_unit_bytes(shape, kv),
+        kv=units * kv_unit_bytes(shape, kv) + kv_tail_bytes(shape, kv, act, chunk),
+        kv_copy=kv_copy_bytes(shape, kv, act, budget + local + max(chunk, max_new)),
         activations=activation_bytes(shape, chunk, act),
         scratch=scratch_bytes(shape, chunk, budget + chunk + local, act),
         heads=heads_bytes(shape, d_r, chunk, act),
