@@ -163,14 +163,10 @@ def run_ask(args) -> int:
         raise UserError("the session name holds control characters; use letters, digits and punctuation")
     # Read every document before loading the model, so a bad path fails fast.
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
-    if args.session:  # a save that would fail says so now, not after the answer
-        from localchat.store import Store
-
-        Store().check_writable()
+    if args.session:
+        return _ask_with_lock(args, docs)
     engine = load_engine(args)
     cancel = threading.Event()
-    if args.session:
-        return _ask_in_session(args, engine, docs, cancel)
     messages = [{"role": "user", "content": user_turn(args.question, docs)}]
     final = stream_to(engine.chat(messages, engine.spec.generation, cancel), cancel, sys.stdout)
     if final is None:
@@ -187,13 +183,37 @@ def run_ask(args) -> int:
     return EXIT_OK
 
 
-def _ask_in_session(args, engine, docs, cancel) -> int:
+def _say(line: str) -> None:
+    print(f"localchat: {line}", file=sys.stderr, flush=True)
+
+
+def _ask_with_lock(args, docs) -> int:
+    """`ask --session S`: holds the lock of chat S from loading it to saving it (localchat/chat_lock.py), so a
+    second `ask` on S waits and then continues from what this one saved."""
+    from localchat.chat_lock import WINDOW, wait_limit
+    from localchat.store import Store
+
+    wait = wait_limit()
+    store = Store()
+    lock = store.chat_lock(args.session)
+    try:
+        store.check_writable()  # a save that would fail, or a chat the window holds, says so before the model loads
+        if not lock.try_acquire() and lock.holder()[0] == WINDOW:
+            lock.acquire(0, _say)  # refuses in one line
+        engine = load_engine(args)
+        lock.acquire(wait, _say)  # another `ask` on this chat: wait for it, then continue from what it saved
+        return _ask_in_session(args, store, engine, docs, threading.Event())
+    finally:
+        lock.release()
+        store.close()
+
+
+def _ask_in_session(args, store, engine, docs, cancel) -> int:
+    """One turn in the saved chat `args.session`, whose lock this process holds: load, answer, save."""
     from localchat.engine.events import Error, Notice
     from localchat.render import stream_to
     from localchat.session import Session
-    from localchat.store import Store
 
-    store = Store()
     if store.exists(args.session):
         session, notices = store.load(args.session, engine)
     else:
@@ -235,9 +255,16 @@ def run_sessions(args) -> int:
         raise UserError("the session name is empty; `localchat sessions` lists the names")
     store = Store()
     if args.delete:
-        store.delete(args.delete)
+        lock = store.chat_lock(args.delete, "delete")
+        if not lock.try_acquire():  # an `ask` answering in it, or the window showing it, would save it back
+            raise UserError(f"{lock.in_use()}; delete it when that localchat is done with it")
+        try:
+            store.delete(args.delete)
+        finally:
+            lock.release()
         print(f"deleted {args.delete}")
         return EXIT_OK
+    store.collect_orphans()  # cache files a killed save left behind
     chats = store.list()
     if not chats:
         print("no saved conversations yet (`localchat ask --session NAME ...` or the chat window saves them)")

@@ -2,7 +2,9 @@
 
 Every save is atomic. The cache file is written under a new name (temporary file, fsync, rename), then
 one SQLite transaction points the chat at it, then the old file is removed: a process killed at any
-moment leaves the previous state (or the new one) readable, never a mix.
+moment leaves the previous state (or the new one) readable, never a mix. A file such a kill leaves behind
+(written but never referenced, or no longer referenced but not yet removed) is collected by a later save or
+`localchat sessions` once it is ORPHAN_GRACE old.
 
 A saved cache is reused only when its fingerprint (model, heads, policy settings, chunk, positions,
 library versions) and the hash of the text it holds match the conversation; otherwise the next turn
@@ -15,7 +17,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sqlite3
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from localchat import __version__
+from localchat.chat_lock import ChatLock
 from localchat.errors import UserError
 from localchat.paths import data_dir
 from localchat.session import Attachment, Session
@@ -50,6 +55,10 @@ MIGRATIONS = {  # version -> SQL that brings version - 1 to it
 }
 LOCK_WAIT = 10.0  # seconds a save waits for another process's save before it gives up
 MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document) is not saved
+# An unreferenced cache file this old was left by a process killed mid-save; a younger one may be another
+# process's save in progress (written, waiting up to LOCK_WAIT for the database, not yet committed).
+ORPHAN_GRACE = 300.0
+CACHE_NAME = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}-[0-9]+\.(safetensors|tmp)")  # what _write_cache names
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,10 @@ class Store:
         if not os.access(self.cache_dir, os.W_OK):
             raise UserError(f"cannot write to {self.cache_dir}; point LOCALCHAT_DATA_DIR at a writable folder")
 
+    def chat_lock(self, name: str, who: str = "ask") -> ChatLock:
+        """The lock that keeps one writer at a time on chat `name` (localchat/chat_lock.py)."""
+        return ChatLock(name, self.path.parent / "locks", who)
+
     # --- listing -------------------------------------------------------------------------------
 
     def list(self) -> list[ChatInfo]:
@@ -220,6 +233,7 @@ class Store:
         session.saved_at = now
         if old and old[1] != cache_file:
             self._remove(old[1])
+        self.collect_orphans()
         return name
 
     def load(self, name: str, engine) -> tuple[Session, list[str]]:
@@ -316,6 +330,30 @@ class Store:
         path = self._cache_path(cache_file)
         if path is not None:
             path.unlink(missing_ok=True)
+
+    def collect_orphans(self, grace: float | None = None) -> int:
+        """Remove cache files that no chat references and that are older than `grace` seconds (ORPHAN_GRACE):
+        what a process killed between writing its cache file and committing (or between committing and removing
+        the old file) left behind. Only regular files with names localchat writes, never through a symlink.
+        Returns how many went."""
+        cutoff = time.time() - (ORPHAN_GRACE if grace is None else grace)
+        referenced = {row[0] for row in self.db.execute("SELECT cache_file FROM chats WHERE cache_file IS NOT NULL")}
+        removed = 0
+        try:
+            entries = list(os.scandir(self.cache_dir))
+        except OSError:
+            return 0
+        for entry in entries:
+            if entry.name in referenced or not CACHE_NAME.fullmatch(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed += 1
+            except OSError:  # gone already (another process collected it), or not ours to remove
+                continue
+        return removed
 
     def _new_name(self) -> str:
         n = 1 + self.db.execute("SELECT COUNT(*) FROM chats").fetchone()[0]
