@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from localchat.engine import weights_check
+
 WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
 
 
@@ -81,6 +83,11 @@ class RetainingHeads(nn.Module):
         from localchat.errors import UserError
 
         directory = Path(directory)
+        if (directory / weights_check.STAMP).is_file():  # fetched heads carry their sha256: never use damaged ones
+            damage = weights_check.problem(directory)
+            if damage:
+                raise UserError(f"the retaining heads in {directory} are damaged ({damage}); fetch them again "
+                                f"(`localchat heads fetch MODEL` after deleting {directory}) or pass other --heads")
         try:
             config = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
             tensors = load_file(directory / WEIGHTS)
