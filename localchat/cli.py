@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sqlite3
 import sys
 import threading
+from pathlib import Path
 
 from localchat import __version__
 from localchat.args import check_quant, flags, policy_options, resolve_spec
@@ -101,6 +103,8 @@ def _check_numbers(f: dict) -> None:
     """Every number given on the command line is finite and of a size a count can have (one line each)."""
     for key, value in f.items():
         flag = "--" + key.replace("_", "-")
+        if isinstance(value, list) and key != "file":  # argparse turns `--seed=--` into []
+            raise UserError(f"{flag} needs a value (got {'--' if not value else value!r})")
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{flag} must be a finite number (got {value})")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= LARGEST:
@@ -122,6 +126,27 @@ def _check_flags(f: dict) -> None:
         raise UserError(f"--margin-mib must be >= 0 (got {f['margin_mib']})")
     if f["max_file_mb"] <= 0:
         raise UserError(f"--max-file-mb must be positive (got {f['max_file_mb']})")
+    model = f.get("model")
+    if model and (Path(model).expanduser() / "config.json").is_file():
+        _check_model_config(Path(model).expanduser() / "config.json")
+    heads = f.get("heads")
+    if heads and heads != "random" and (Path(heads).expanduser() / "heads.json").is_file():
+        from localchat.engine.heads import read_config
+
+        read_config(Path(heads).expanduser())  # a heads.json that is not a JSON object: one line, before planning
+
+
+def _check_model_config(path: Path) -> None:
+    """A model directory's config.json is a JSON object (the planner reads it before any loader could say so)."""
+    import json
+
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path} ({(str(exc).splitlines() or [''])[0][:120]}); point --model at a "
+                        f"Hugging Face model directory") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a model config (a JSON object); point --model at a Hugging Face model directory")
 
 
 def load_engine(args):
@@ -346,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except sqlite3.DatabaseError as exc:  # a chats database damaged in a way its open did not show
+        if args.debug:
+            raise
+        from localchat.paths import data_dir
+        from localchat.store import damaged
+
+        print(f"localchat: error: {damaged(data_dir() / 'chats.sqlite3', exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, no traceback
         if args.debug:
             raise

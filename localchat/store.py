@@ -53,12 +53,24 @@ MIGRATIONS = {  # version -> SQL that brings version - 1 to it
     # the settings a chat was last answered with (policy and its parameters, positions, chunk, --kv)
     2: "ALTER TABLE chats ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';",
 }
+SCHEMA_COLUMNS = {
+    "chats": {"id", "name", "title", "model", "policy", "system", "created", "updated", "fed", "kept_units",
+              "kept_bytes", "cache_file", "settings"},
+    "messages": {"chat_id", "idx", "role", "content", "question"},
+    "attachments": {"chat_id", "turn", "name", "path", "sha256", "tokens", "tok_start", "tok_end", "char_offset"},
+}
 LOCK_WAIT = 10.0  # seconds a save waits for another process's save before it gives up
 MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document) is not saved
 # An unreferenced cache file this old was left by a process killed mid-save; a younger one may be another
 # process's save in progress (written, waiting up to LOCK_WAIT for the database, not yet committed).
 ORPHAN_GRACE = 300.0
 CACHE_NAME = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}-[0-9]+\.(safetensors|tmp)")  # what _write_cache names
+
+
+def damaged(path: Path, exc: Exception) -> UserError:
+    """One line for a chats database SQLite cannot use (damaged, truncated, or another program's file)."""
+    return UserError(f"{path} is damaged or not a localchat chats database ({exc}); move it aside (it may hold "
+                     f"chats worth keeping) and localchat starts a new one, or point LOCALCHAT_DATA_DIR elsewhere")
 
 
 @dataclass(frozen=True)
@@ -130,9 +142,25 @@ class Store:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         if not self.path.exists():  # chats hold whole documents: readable by their owner only
             os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT)
-        self.db.execute("PRAGMA foreign_keys = ON")
-        self._migrate()
+        try:
+            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT)
+            self.db.execute("PRAGMA foreign_keys = ON")
+            self._migrate()
+            self._check_schema()
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise UserError(f"{self.path} is locked by another localchat ({exc}); close it and try again") \
+                    from None
+            raise damaged(self.path, exc) from None
+        except sqlite3.DatabaseError as exc:
+            raise damaged(self.path, exc) from None
+
+    def _check_schema(self) -> None:
+        """The tables and columns this version reads (a file with other tables is not our database)."""
+        for table, columns in SCHEMA_COLUMNS.items():
+            have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            if not columns <= have:
+                raise sqlite3.DatabaseError(f"table {table} lacks {', '.join(sorted(columns - have))}")
 
     def _migrate(self) -> None:
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
@@ -327,9 +355,15 @@ class Store:
         return self.cache_dir / cache_file
 
     def _remove(self, cache_file: str | None) -> None:
+        """Remove a cache file a row named, when it is one (never a directory, a symlink's target, or a failure)."""
         path = self._cache_path(cache_file)
-        if path is not None:
-            path.unlink(missing_ok=True)
+        if path is None:
+            return
+        try:
+            if stat.S_ISREG(path.lstat().st_mode):
+                path.unlink()
+        except OSError:  # gone already; or not removable: collect_orphans tries again later
+            pass
 
     def collect_orphans(self, grace: float | None = None) -> int:
         """Remove cache files that no chat references and that are older than `grace` seconds (ORPHAN_GRACE):

@@ -104,9 +104,14 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation="sdpa", local_files_only=local, **extra
         )
-    except (OSError, ValueError) as exc:  # missing files, a tokenizer or config transformers cannot read
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - missing or damaged files (safetensors' own errors too), a tokenizer or
+        # config transformers cannot read, weights of other shapes than the config says
+        if type(exc).__name__ == "OutOfMemoryError":
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"cannot load model {spec}: {first}") from exc
+        raise ModelError(f"cannot load model {spec}: {first[:200]}") from exc
     finally:
         hf_logging.enable_progress_bar()
         hub_logger.setLevel(hub_level)
