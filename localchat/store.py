@@ -278,6 +278,12 @@ class Store:
         attachments = self.db.execute(
             "SELECT name, path, sha256, tokens, turn, tok_start, tok_end, char_offset FROM attachments WHERE chat_id = ? "
             "ORDER BY rowid", (chat_id,)).fetchall()
+        bad = next((i for i, (r, c, q) in enumerate(messages) if r not in ("user", "assistant")
+                    or not isinstance(c, str) or not isinstance(q, (str, type(None)))), None)
+        if bad is not None or not isinstance(system, (str, type(None))):
+            where = f"message {bad + 1}" if bad is not None else "its system prompt"
+            raise UserError(f"chat {name!r} in {self.path} is damaged ({where} is not a saved message); it is left "
+                            f"as it is: start another chat, or remove this one with `localchat sessions --delete`")
         state = session._state
         state.messages = [{"role": r, "content": c} for r, c, _ in messages]
         state.attachments = [Attachment(*a) for a in attachments]
