@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sqlite3
 import sys
 import threading
+from pathlib import Path
 
 from localchat import __version__
 from localchat.args import check_quant, flags, policy_options, resolve_spec
@@ -101,6 +103,8 @@ def _check_numbers(f: dict) -> None:
     """Every number given on the command line is finite and of a size a count can have (one line each)."""
     for key, value in f.items():
         flag = "--" + key.replace("_", "-")
+        if isinstance(value, list) and key != "file":  # argparse turns `--seed=--` into []
+            raise UserError(f"{flag} needs a value (got {'--' if not value else value!r})")
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{flag} must be a finite number (got {value})")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= LARGEST:
@@ -122,6 +126,27 @@ def _check_flags(f: dict) -> None:
         raise UserError(f"--margin-mib must be >= 0 (got {f['margin_mib']})")
     if f["max_file_mb"] <= 0:
         raise UserError(f"--max-file-mb must be positive (got {f['max_file_mb']})")
+    model = f.get("model")
+    if model and (Path(model).expanduser() / "config.json").is_file():
+        _check_model_config(Path(model).expanduser() / "config.json")
+    heads = f.get("heads")
+    if heads and heads != "random" and (Path(heads).expanduser() / "heads.json").is_file():
+        from localchat.engine.heads import read_config
+
+        read_config(Path(heads).expanduser())  # a heads.json that is not a JSON object: one line, before planning
+
+
+def _check_model_config(path: Path) -> None:
+    """A model directory's config.json is a JSON object (the planner reads it before any loader could say so)."""
+    import json
+
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path} ({(str(exc).splitlines() or [''])[0][:120]}); point --model at a "
+                        f"Hugging Face model directory") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a model config (a JSON object); point --model at a Hugging Face model directory")
 
 
 def load_engine(args):
@@ -163,14 +188,10 @@ def run_ask(args) -> int:
         raise UserError("the session name holds control characters; use letters, digits and punctuation")
     # Read every document before loading the model, so a bad path fails fast.
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
-    if args.session:  # a save that would fail says so now, not after the answer
-        from localchat.store import Store
-
-        Store().check_writable()
+    if args.session:
+        return _ask_with_lock(args, docs)
     engine = load_engine(args)
     cancel = threading.Event()
-    if args.session:
-        return _ask_in_session(args, engine, docs, cancel)
     messages = [{"role": "user", "content": user_turn(args.question, docs)}]
     final = stream_to(engine.chat(messages, engine.spec.generation, cancel), cancel, sys.stdout)
     if final is None:
@@ -187,13 +208,37 @@ def run_ask(args) -> int:
     return EXIT_OK
 
 
-def _ask_in_session(args, engine, docs, cancel) -> int:
+def _say(line: str) -> None:
+    print(f"localchat: {line}", file=sys.stderr, flush=True)
+
+
+def _ask_with_lock(args, docs) -> int:
+    """`ask --session S`: holds the lock of chat S from loading it to saving it (localchat/chat_lock.py), so a
+    second `ask` on S waits and then continues from what this one saved."""
+    from localchat.chat_lock import WINDOW, wait_limit
+    from localchat.store import Store
+
+    wait = wait_limit()
+    store = Store()
+    lock = store.chat_lock(args.session)
+    try:
+        store.check_writable()  # a save that would fail, or a chat the window holds, says so before the model loads
+        if not lock.try_acquire() and lock.holder()[0] == WINDOW:
+            lock.acquire(0, _say)  # refuses in one line
+        engine = load_engine(args)
+        lock.acquire(wait, _say)  # another `ask` on this chat: wait for it, then continue from what it saved
+        return _ask_in_session(args, store, engine, docs, threading.Event())
+    finally:
+        lock.release()
+        store.close()
+
+
+def _ask_in_session(args, store, engine, docs, cancel) -> int:
+    """One turn in the saved chat `args.session`, whose lock this process holds: load, answer, save."""
     from localchat.engine.events import Error, Notice
     from localchat.render import stream_to
     from localchat.session import Session
-    from localchat.store import Store
 
-    store = Store()
     if store.exists(args.session):
         session, notices = store.load(args.session, engine)
     else:
@@ -235,9 +280,16 @@ def run_sessions(args) -> int:
         raise UserError("the session name is empty; `localchat sessions` lists the names")
     store = Store()
     if args.delete:
-        store.delete(args.delete)
+        lock = store.chat_lock(args.delete, "delete")
+        if not lock.try_acquire():  # an `ask` answering in it, or the window showing it, would save it back
+            raise UserError(f"{lock.in_use()}; delete it when that localchat is done with it")
+        try:
+            store.delete(args.delete)
+        finally:
+            lock.release()
         print(f"deleted {args.delete}")
         return EXIT_OK
+    store.collect_orphans()  # cache files a killed save left behind
     chats = store.list()
     if not chats:
         print("no saved conversations yet (`localchat ask --session NAME ...` or the chat window saves them)")
@@ -319,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except sqlite3.DatabaseError as exc:  # a chats database damaged in a way its open did not show
+        if args.debug:
+            raise
+        from localchat.paths import data_dir
+        from localchat.store import damaged
+
+        print(f"localchat: error: {damaged(data_dir() / 'chats.sqlite3', exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, no traceback
         if args.debug:
             raise

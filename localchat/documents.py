@@ -5,10 +5,13 @@ from __future__ import annotations
 import codecs
 import hashlib
 import io
+import logging
 import os
 import re
 import shlex
 import stat
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
@@ -101,27 +104,75 @@ def _decode(data: bytes, shown: str) -> str:
     return _norm_newlines(text)
 
 
+class _Captured(logging.Handler):
+    """Collects what pypdf logs while a file is read, so it reaches the message, not the terminal."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextmanager
+def _pypdf_quiet():
+    """pypdf's log records and warnings during the block, captured (a list of one-line strings) instead of printed."""
+    log = logging.getLogger("pypdf")
+    handler, propagate = _Captured(), log.propagate
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield handler.lines
+        handler.lines.extend(str(w.message) for w in caught)
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+
+
+def _why(problem: str) -> str:
+    """A pypdf message as a short clause for a one-line error."""
+    line = " ".join(problem.split())
+    return line if len(line) <= 80 else line[:77] + "..."
+
+
 def _pdf_text(data: bytes, shown: str) -> str:
     from pypdf import PdfReader  # lazy: keeps start-up fast
     from pypdf.errors import DependencyError
 
-    try:
-        reader = PdfReader(io.BytesIO(data))
-        if reader.is_encrypted and not reader.decrypt(""):
-            raise DocumentError(f"{shown} is a password-protected PDF; attach an unprotected copy")
-        pages = [_norm_newlines(page.extract_text() or "").strip() for page in reader.pages]
-    except DocumentError:
-        raise
-    except DependencyError:  # AES encryption needs the optional 'cryptography' package
-        raise DocumentError(f"{shown} is an encrypted PDF; install 'cryptography' or attach an "
-                            "unencrypted copy") from None
-    except Exception as e:  # pypdf raises many types for damaged files
-        raise DocumentError(f"cannot read PDF {shown}: looks corrupt or unsupported "
-                            f"({type(e).__name__}); re-export it or paste its text") from None
+    if b"%PDF-" not in data[:1024]:
+        raise DocumentError(f"{shown} is not a PDF (no %PDF- header in its first bytes): damaged, or another kind "
+                            f"of file named .pdf; re-export it, or rename it if it is text")
+    damaged = (f"cannot read PDF {shown}: it is damaged (", "); re-export it or paste its text")
+    with _pypdf_quiet() as problems:
+        try:
+            reader = PdfReader(io.BytesIO(data))
+            if reader.is_encrypted and not reader.decrypt(""):
+                raise DocumentError(f"{shown} is a password-protected PDF; attach an unprotected copy")
+            pages = []
+            for number, page in enumerate(reader.pages, 1):
+                try:
+                    pages.append(_norm_newlines(page.extract_text() or "").strip())
+                except DependencyError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - one damaged page: say which, never drop it silently
+                    raise DocumentError(f"cannot read PDF {shown}: page {number} is damaged "
+                                        f"({_why(str(e) or type(e).__name__)}); re-export it or paste its text") from None
+        except DocumentError:
+            raise
+        except DependencyError:  # AES encryption needs the optional 'cryptography' package
+            raise DocumentError(f"{shown} is an encrypted PDF; install 'cryptography' or attach an "
+                                "unencrypted copy") from None
+        except Exception as e:  # noqa: BLE001 - pypdf raises many types for damaged files
+            why = problems[0] if problems else (str(e) or type(e).__name__)
+            raise DocumentError(f"{damaged[0]}{_why(why)}{damaged[1]}") from None
     text = "\n\n".join(p for p in pages if p)
+    if not text and problems:  # pypdf recovered from damage but found nothing: the damage, not a scan
+        raise DocumentError(f"{damaged[0]}{_why(problems[0])}; no text could be read{damaged[1]}")
     if not text:
-        raise DocumentError(f"{shown} has no extractable text (scanned images?); "
-                            "run OCR on it or paste its text")
+        raise DocumentError(f"{shown} has no text layer (scanned images?); run OCR on it or paste its text")
     return text
 
 

@@ -2,7 +2,9 @@
 
 Every save is atomic. The cache file is written under a new name (temporary file, fsync, rename), then
 one SQLite transaction points the chat at it, then the old file is removed: a process killed at any
-moment leaves the previous state (or the new one) readable, never a mix.
+moment leaves the previous state (or the new one) readable, never a mix. A file such a kill leaves behind
+(written but never referenced, or no longer referenced but not yet removed) is collected by a later save or
+`localchat sessions` once it is ORPHAN_GRACE old.
 
 A saved cache is reused only when its fingerprint (model, heads, policy settings, chunk, positions,
 library versions) and the hash of the text it holds match the conversation; otherwise the next turn
@@ -15,7 +17,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sqlite3
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from localchat import __version__
+from localchat.chat_lock import ChatLock
 from localchat.errors import UserError
 from localchat.paths import data_dir
 from localchat.session import Attachment, Session
@@ -48,8 +53,24 @@ MIGRATIONS = {  # version -> SQL that brings version - 1 to it
     # the settings a chat was last answered with (policy and its parameters, positions, chunk, --kv)
     2: "ALTER TABLE chats ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';",
 }
+SCHEMA_COLUMNS = {
+    "chats": {"id", "name", "title", "model", "policy", "system", "created", "updated", "fed", "kept_units",
+              "kept_bytes", "cache_file", "settings"},
+    "messages": {"chat_id", "idx", "role", "content", "question"},
+    "attachments": {"chat_id", "turn", "name", "path", "sha256", "tokens", "tok_start", "tok_end", "char_offset"},
+}
 LOCK_WAIT = 10.0  # seconds a save waits for another process's save before it gives up
 MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document) is not saved
+# An unreferenced cache file this old was left by a process killed mid-save; a younger one may be another
+# process's save in progress (written, waiting up to LOCK_WAIT for the database, not yet committed).
+ORPHAN_GRACE = 300.0
+CACHE_NAME = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}-[0-9]+\.(safetensors|tmp)")  # what _write_cache names
+
+
+def damaged(path: Path, exc: Exception) -> UserError:
+    """One line for a chats database SQLite cannot use (damaged, truncated, or another program's file)."""
+    return UserError(f"{path} is damaged or not a localchat chats database ({exc}); move it aside (it may hold "
+                     f"chats worth keeping) and localchat starts a new one, or point LOCALCHAT_DATA_DIR elsewhere")
 
 
 @dataclass(frozen=True)
@@ -121,9 +142,25 @@ class Store:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         if not self.path.exists():  # chats hold whole documents: readable by their owner only
             os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT)
-        self.db.execute("PRAGMA foreign_keys = ON")
-        self._migrate()
+        try:
+            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT)
+            self.db.execute("PRAGMA foreign_keys = ON")
+            self._migrate()
+            self._check_schema()
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise UserError(f"{self.path} is locked by another localchat ({exc}); close it and try again") \
+                    from None
+            raise damaged(self.path, exc) from None
+        except sqlite3.DatabaseError as exc:
+            raise damaged(self.path, exc) from None
+
+    def _check_schema(self) -> None:
+        """The tables and columns this version reads (a file with other tables is not our database)."""
+        for table, columns in SCHEMA_COLUMNS.items():
+            have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            if not columns <= have:
+                raise sqlite3.DatabaseError(f"table {table} lacks {', '.join(sorted(columns - have))}")
 
     def _migrate(self) -> None:
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
@@ -147,6 +184,10 @@ class Store:
                             f"or point LOCALCHAT_DATA_DIR at a writable folder") from None
         if not os.access(self.cache_dir, os.W_OK):
             raise UserError(f"cannot write to {self.cache_dir}; point LOCALCHAT_DATA_DIR at a writable folder")
+
+    def chat_lock(self, name: str, who: str = "ask") -> ChatLock:
+        """The lock that keeps one writer at a time on chat `name` (localchat/chat_lock.py)."""
+        return ChatLock(name, self.path.parent / "locks", who)
 
     # --- listing -------------------------------------------------------------------------------
 
@@ -220,6 +261,7 @@ class Store:
         session.saved_at = now
         if old and old[1] != cache_file:
             self._remove(old[1])
+        self.collect_orphans()
         return name
 
     def load(self, name: str, engine) -> tuple[Session, list[str]]:
@@ -236,6 +278,12 @@ class Store:
         attachments = self.db.execute(
             "SELECT name, path, sha256, tokens, turn, tok_start, tok_end, char_offset FROM attachments WHERE chat_id = ? "
             "ORDER BY rowid", (chat_id,)).fetchall()
+        bad = next((i for i, (r, c, q) in enumerate(messages) if r not in ("user", "assistant")
+                    or not isinstance(c, str) or not isinstance(q, (str, type(None)))), None)
+        if bad is not None or not isinstance(system, (str, type(None))):
+            where = f"message {bad + 1}" if bad is not None else "its system prompt"
+            raise UserError(f"chat {name!r} in {self.path} is damaged ({where} is not a saved message); it is left "
+                            f"as it is: start another chat, or remove this one with `localchat sessions --delete`")
         state = session._state
         state.messages = [{"role": r, "content": c} for r, c, _ in messages]
         state.attachments = [Attachment(*a) for a in attachments]
@@ -313,9 +361,39 @@ class Store:
         return self.cache_dir / cache_file
 
     def _remove(self, cache_file: str | None) -> None:
+        """Remove a cache file a row named, when it is one (never a directory, a symlink's target, or a failure)."""
         path = self._cache_path(cache_file)
-        if path is not None:
-            path.unlink(missing_ok=True)
+        if path is None:
+            return
+        try:
+            if stat.S_ISREG(path.lstat().st_mode):
+                path.unlink()
+        except OSError:  # gone already; or not removable: collect_orphans tries again later
+            pass
+
+    def collect_orphans(self, grace: float | None = None) -> int:
+        """Remove cache files that no chat references and that are older than `grace` seconds (ORPHAN_GRACE):
+        what a process killed between writing its cache file and committing (or between committing and removing
+        the old file) left behind. Only regular files with names localchat writes, never through a symlink.
+        Returns how many went."""
+        cutoff = time.time() - (ORPHAN_GRACE if grace is None else grace)
+        referenced = {row[0] for row in self.db.execute("SELECT cache_file FROM chats WHERE cache_file IS NOT NULL")}
+        removed = 0
+        try:
+            entries = list(os.scandir(self.cache_dir))
+        except OSError:
+            return 0
+        for entry in entries:
+            if entry.name in referenced or not CACHE_NAME.fullmatch(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed += 1
+            except OSError:  # gone already (another process collected it), or not ours to remove
+                continue
+        return removed
 
     def _new_name(self) -> str:
         n = 1 + self.db.execute("SELECT COUNT(*) FROM chats").fetchone()[0]

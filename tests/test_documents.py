@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import logging
 import os
 import random
 import subprocess
@@ -172,7 +173,7 @@ def test_pdf_with_empty_user_password_opens(tmp_path: Path) -> None:
 def test_corrupt_pdf(tmp_path: Path) -> None:
     f = write(tmp_path / "broken.pdf", random.Random(7).randbytes(2048))
     msg = error_of(f)
-    assert "broken.pdf" in msg and "corrupt" in msg
+    assert "broken.pdf" in msg and "is not a PDF" in msg
 
 
 def test_truncated_pdf(tmp_path: Path) -> None:
@@ -184,7 +185,30 @@ def test_truncated_pdf(tmp_path: Path) -> None:
 def test_pdf_without_text(tmp_path: Path) -> None:
     f = make_pdf(tmp_path / "scan.pdf", [None, None])
     msg = error_of(f)
-    assert "scan.pdf" in msg and "no extractable text" in msg
+    assert "scan.pdf" in msg and "no text layer (scanned images?)" in msg
+
+
+def _damaged(good: bytes) -> dict[str, bytes]:
+    return {"cut.pdf": good[: len(good) // 3], "no-eof.pdf": good[:-10], "no-xref.pdf": good.replace(b"xref", b"xreg"),
+            "header-only.pdf": b"%PDF-1.4\n",
+            "flipped.pdf": bytes(b ^ 0x55 if 200 < i < 260 else b for i, b in enumerate(good))}
+
+
+def test_damaged_pdfs_say_damaged_in_one_line_and_pypdf_stays_quiet(tmp_path: Path, capfd) -> None:
+    """pypdf logs "EOF marker not found" and the like; that reaches the message, not the terminal; and a damaged
+    file is never called a scan."""
+    good = make_pdf(tmp_path / "good.pdf", ["some text here"]).read_bytes()
+    for name, data in _damaged(good).items():
+        msg = error_of(write(tmp_path / name, data))
+        assert name in msg and "damaged" in msg and "scanned" not in msg and "\n" not in msg, msg
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # nothing printed by pypdf, at the file-descriptor level
+    assert logging.getLogger("pypdf").propagate and not logging.getLogger("pypdf").handlers  # put back
+
+
+def test_a_non_pdf_named_pdf_says_so(tmp_path: Path) -> None:
+    msg = error_of(write(tmp_path / "page.pdf", b"<html><body>hello</body></html>"))
+    assert "page.pdf is not a PDF" in msg
 
 
 def test_pypdf_is_imported_lazily() -> None:

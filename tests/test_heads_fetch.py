@@ -316,3 +316,30 @@ def test_the_cli_command_end_to_end(hub, files, monkeypatch, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_fetched_heads_carry_their_sha256_and_damaged_ones_are_fetched_again(hub, files, tmp_path):
+    """The hub's digest covers whole shards, which a fetch of only the heads never has; the converted heads' sha256
+    is recorded at fetch time and checked at every use."""
+    import os
+
+    from localchat.engine.weights_check import STAMP
+
+    out = fetch_heads(CARD, endpoint=hub.url, say=lambda m: None)
+    stamp = json.loads((out / STAMP).read_text())
+    weights = out / "heads.safetensors"
+    assert stamp["files"]["heads.safetensors"]["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF  # a flipped bit in the last tensor, file times set back
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(UserError, match="are damaged") as err:  # never loaded, wherever they are passed from
+        RetainingHeads.load(out)
+    assert "\n" not in str(err.value)
+    assert cached_heads(CARD) is None  # so the next use fetches them again
+    said, sent = [], hub.sent
+    assert fetch_heads(CARD, endpoint=hub.url, say=said.append) == out and hub.sent > sent
+    assert "damaged" in said[0] and "fetching them again" in said[0]
+    assert same(RetainingHeads.load(out).state_dict(), reference(files, tmp_path))
+    assert cached_heads(CARD) == out

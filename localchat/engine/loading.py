@@ -11,7 +11,7 @@ import torch
 
 from localchat import paths
 from localchat.engine.cards import ModelCard, default_card, find_card
-from localchat.engine.default_model import Say, _stderr, build_once, convert_gguf, ensure_default_model
+from localchat.engine.default_model import Say, _stderr, build_checked, convert_gguf, ensure_default_model
 from localchat.errors import ModelError
 
 
@@ -34,11 +34,20 @@ def best_dtype(device: torch.device) -> torch.dtype:
 
 
 def _gguf_dir(gguf: Path, say: Say) -> Path:
-    """A user's .gguf converted once into the cache, keyed by its path, size and mtime."""
-    st = gguf.stat()
+    """A user's .gguf converted once into the cache, keyed by its path, size and mtime. A file that is not a GGUF
+    is refused before anything is written to the cache; one that fails to convert leaves no lock file there."""
+    try:
+        with open(gguf, "rb") as f:
+            magic = f.read(4)
+        st = gguf.stat()
+    except OSError as exc:
+        raise ModelError(f"cannot read {gguf}: {exc.strerror or exc}; check the file's permissions") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{gguf} is not a GGUF file (it does not start with the bytes GGUF); give a .gguf model "
+                         f"file, a Hugging Face model directory or id")
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = paths.cache_dir() / "models" / f"gguf-{gguf.stem}-{key}"
-    return build_once(out, lambda: convert_gguf(gguf, out, say), say)
+    return build_checked(out, lambda: convert_gguf(gguf, out, say), say, forget_lock=True)
 
 
 def resolve(spec: str | None, say: Say = _stderr) -> tuple[str, ModelCard | None]:
@@ -95,9 +104,14 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation="sdpa", local_files_only=local, **extra
         )
-    except (OSError, ValueError) as exc:  # missing files, a tokenizer or config transformers cannot read
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - missing or damaged files (safetensors' own errors too), a tokenizer or
+        # config transformers cannot read, weights of other shapes than the config says
+        if type(exc).__name__ == "OutOfMemoryError":
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"cannot load model {spec}: {first}") from exc
+        raise ModelError(f"cannot load model {spec}: {first[:200]}") from exc
     finally:
         hf_logging.enable_progress_bar()
         hub_logger.setLevel(hub_level)

@@ -3,6 +3,12 @@
 The official releases are whole models with the heads inside; `fetch_heads` reads only the heads' bytes: the
 safetensors header of each shard that holds heads, then the heads' byte ranges (hub_ranges.py). The download is
 resumable (part files beside the cache directory), locked against a second process, and lands atomically.
+
+What is checked: the repository is pinned to one commit (its files cannot change under a fetch or a resume), every
+range answer must start where asked and bring exactly the bytes asked for, and the heads' shapes, dtypes and byte
+lengths must fit the card's model. The hub's own digest (the sha256 in X-Linked-Etag) covers a whole shard, which
+a fetch of only the heads never has, so it cannot be checked; instead the converted heads' sha256 is recorded at
+fetch time (engine/weights_check.py) and checked at every use: damaged heads are fetched again, with a notice.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localchat import paths
+from localchat.engine import weights_check
 from localchat.engine.cards import ModelCard
 from localchat.engine.heads import CONFIG, OFFICIAL_KEY, WEIGHTS, RetainingHeads
 from localchat.errors import UserError
@@ -41,9 +48,12 @@ def heads_cache_dir(card: ModelCard) -> Path:
 
 
 def cached_heads(card: ModelCard) -> Path | None:
-    """The cache directory when it holds complete converted heads (weights and config), else None."""
+    """The cache directory when it holds complete converted heads (weights and config) that match the sha256
+    recorded when they were fetched, else None (then they are fetched again)."""
     directory = heads_cache_dir(card)
-    return directory if (directory / WEIGHTS).is_file() and (directory / CONFIG).is_file() else None
+    if not ((directory / WEIGHTS).is_file() and (directory / CONFIG).is_file()):
+        return None
+    return directory if weights_check.problem(directory) is None else None
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,9 @@ def fetch_heads(card: ModelCard, *, say: Say = _stderr, endpoint: str | None = N
     huggingface_hub. One-line UserError when there is no release, the hub is out of reach, or it does not fit."""
     if cached_heads(card):
         return heads_cache_dir(card)
+    damage = weights_check.problem(heads_cache_dir(card)) if (heads_cache_dir(card) / WEIGHTS).is_file() else None
+    if damage:
+        say(f"the fetched retaining heads in {heads_cache_dir(card)} are damaged ({damage}); fetching them again")
     if not card.heads_release:
         raise UserError(f"no official LOCRET release holds retaining heads for {card.name}; "
                         f"carded models with one: {releases_line()}")
@@ -135,6 +148,7 @@ def _fetch(card: ModelCard, out: Path, say: Say, endpoint: str | None, token, re
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
     try:
         heads.save(tmp)
+        weights_check.stamp(tmp)  # the bytes as converted, checked whenever they are used (cached_heads)
         if out.exists():  # an incomplete earlier result
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -25,6 +25,7 @@ class LocalChatApp(App):
         self.engine = None
         self.session = None
         self.chat_name: str | None = None
+        self.chat_lock = None  # the lock of the saved chat shown (localchat/chat_lock.py): no `ask` writes into it
         self.loader = loader
         self.spec = spec  # the run's settings (localchat/config.py); the loaded engine's own once it loads
         self.settings = settings or (spec.generation if spec is not None else GenerationSettings())
@@ -60,6 +61,16 @@ class LocalChatApp(App):
 
         self.session = Session(self.engine)
         self.chat_name = None
+        self.hold_chat(None)
+
+    def hold_chat(self, lock) -> None:
+        """Hold `lock` (the lock of the chat now shown, or None) and let go of the one held before."""
+        old, self.chat_lock = self.chat_lock, lock
+        if old is not None and old is not lock:
+            old.release()
+
+    def on_unmount(self) -> None:
+        self.hold_chat(None)
 
     def store(self):
         from localchat.store import Store

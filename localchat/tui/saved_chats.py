@@ -6,6 +6,7 @@ from contextlib import closing
 
 from textual.widgets import OptionList
 
+from localchat.chat_lock import WINDOW
 from localchat.tui.events import ChatOpened, ChatSaved
 from localchat.tui.text import one_line
 from localchat.tui.widgets.chat_list import ChatList
@@ -32,6 +33,10 @@ class SavedChats:
         try:
             with closing(self.app.store()) as store:
                 name = store.save(self.app.session, self.app.chat_name)
+                held = self.app.chat_lock
+                if held is None or held.name != name:  # a chat saved for the first time: hold it from now on
+                    lock = store.chat_lock(name, WINDOW)
+                    self.app.hold_chat(lock if lock.try_acquire() else None)
         except Exception as exc:  # noqa: BLE001
             self.post_message(ChatSaved(None, f"could not save this chat: {one_line(exc)}"))
             return
@@ -57,19 +62,29 @@ class SavedChats:
         self.run_worker(lambda: self._load_chat(name), thread=True, group="turn")
 
     def _load_chat(self, name: str) -> None:
+        lock = None
         try:
             with self.app.engine_lock, closing(self.app.store()) as store:
+                lock = store.chat_lock(name, WINDOW)
+                if not lock.try_acquire():  # an `ask` is answering in it: its turn would be lost on our next save
+                    lock = None
+                    self.post_message(ChatOpened(error=f"cannot open chat {name} now: {store.chat_lock(name).in_use()}"
+                                                       f"; try again when it is done"))
+                    return
                 session, notices = store.load(name, self.app.engine)
         except Exception as exc:  # noqa: BLE001
+            if lock is not None:
+                lock.release()
             self.post_message(ChatOpened(error=f"cannot open chat {name}: {one_line(exc)}"))
             return
-        self.post_message(ChatOpened(session, name, notices))
+        self.post_message(ChatOpened(session, name, notices, lock=lock))
 
     async def on_chat_opened(self, msg: ChatOpened) -> None:
         if msg.error:
             self.note(msg.error, error=True)
             return
         self.app.session, self.app.chat_name = msg.session, msg.name
+        self.app.hold_chat(msg.lock)
         await self.show_session()
         for line in msg.notices:
             self.note(line)
