@@ -185,11 +185,16 @@ def read_config(path: str | Path) -> dict:
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
+        config = json.loads(file.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ValueError(f"cannot read {file}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{file} line {exc.lineno}: {exc.msg}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{file} is not UTF-8 text") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object (a model config maps names to values)")
+    return config
 
 
 # --- the memory model --------------------------------------------------------------------------------

@@ -259,6 +259,8 @@ def choose_profile(cli_name: str | None, env: dict, config: dict) -> tuple[Profi
     """The profile in force and why: --profile, LOCALCHAT_PROFILE, default_profile, or none."""
     for name, why in ((cli_name, "--profile"), (env.get("LOCALCHAT_PROFILE"), "LOCALCHAT_PROFILE"),
                       (config.get("default_profile"), f"default_profile in {config_path()}")):
+        if name is not None and not isinstance(name, str):
+            raise UserError(f"{why} must be a profile name in quotes (got {name!r}); see `localchat profile list`")
         if name:
             if name.lower() == "none":
                 return None, why

@@ -69,7 +69,7 @@ def heads_d_r(directory: Path | None) -> int:
         return 0
     try:
         return int(json.loads((directory / "heads.json").read_text(encoding="utf-8"))["d_r"])
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, TypeError):
         return 0
 
 
