@@ -22,11 +22,12 @@ USAGE = """examples:
   localchat bench targets DIR [--fill DIR] [--out FILE.md]
   localchat bench cross-check DIR_A DIR_B [--out FILE.md]
   localchat bench side-by-side DIR
-  localchat bench plot-training RUN_DIR/train-log.json OUT.png"""
+  localchat bench plot-training RUN_DIR/train-log.json OUT.png
+  localchat bench random-model tests/data/configs/llama-3.1-8b-instruct.json DIR [--layers 2]"""
 
 
 EVIDENCE = {"targets": "targets", "cross-check": "crosscheck", "side-by-side": "side_by_side",
-            "plot-training": "training_plot"}  # subcommand -> module with its main(args)
+            "plot-training": "training_plot", "random-model": "random_model"}  # subcommand -> module with main(args)
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -67,7 +68,7 @@ def add_parser(subparsers) -> None:
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
     sub = bench.add_subparsers(dest="bench_command",
-                                metavar="{report,perf,kernels,targets,cross-check,side-by-side,plot-training}")
+                                metavar="{report,perf,kernels,targets,cross-check,side-by-side,plot-training,random-model}")
     report = sub.add_parser("report", help="DIR/results.jsonl -> DIR/report.md and PNG plots")
     report.add_argument("dir", help="a bench --out directory")
     perf = sub.add_parser("perf", help="LOCRET vs full speed side by side; time per token vs length")
@@ -102,6 +103,13 @@ def add_parser(subparsers) -> None:
     curve = sub.add_parser("plot-training", help="retaining heads' train-log.json -> a training-curve PNG")
     curve.add_argument("log", help="RUN_DIR/train-log.json of `localchat train-heads`")
     curve.add_argument("out", help="the PNG to write")
+    rand = sub.add_parser("random-model", help="a model dir with random weights from a real config.json "
+                                               "(speed and memory only)")
+    rand.add_argument("config", help="a config.json (tests/data/configs/ holds Llama-3.1-8B, Qwen2.5-7B, Phi-3-mini)")
+    rand.add_argument("out", help="the directory to write")
+    rand.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
+    rand.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    rand.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
 
 
 def parse_list(text: str, what: str) -> list[str]:
