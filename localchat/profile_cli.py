@@ -3,6 +3,7 @@ planning/resolve.py, the engine from planning/load.py."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -47,8 +48,11 @@ def add_parsers(sub, model_flags) -> None:
 
 
 def _plan_flags(p) -> None:
-    p.add_argument("--weights", choices=profiles.WEIGHT_DTYPES, default=None, help="weight dtype to plan for")
-    p.add_argument("--kv", choices=profiles.KV_DTYPES, default=None, help="KV-cache dtype to plan for")
+    # SUPPRESS: a value given before the subcommand (`localchat --kv int8 plan`) is kept
+    p.add_argument("--weights", choices=profiles.WEIGHT_DTYPES, default=argparse.SUPPRESS,
+                   help="weight dtype to plan for (default: the plan chooses)")
+    p.add_argument("--kv", choices=profiles.KV_DTYPES, default=argparse.SUPPRESS,
+                   help="retained KV-cache type to plan for (default: the plan chooses)")
     p.add_argument("--margin-mib", type=int, default=None, help="memory left free (default 1024 on CUDA, 512 on CPU)")
     p.add_argument("--memory-gb", type=float, default=None, help="plan for this much memory instead of what is free")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -235,6 +239,8 @@ def measure_speed(engine, tokens: int, chunk: int, baseline: int | None = None) 
 
 
 def run_tune(args) -> int:
+    """Measure this machine: prefill speed per chunk, then the real peak at the plan's budget and precision (planned
+    again around any miss); save what fits with the margin as a profile, and show the plan before and after."""
     try:
         chunks = sorted({int(c) for c in args.chunks.split(",") if c.strip()})
     except ValueError:
@@ -247,48 +253,83 @@ def run_tune(args) -> int:
         profiles.profile_toml(args.name, {})  # a bad name fails now, not after the measurements
     device = detect()
     args.profile = args.profile or "none"  # measure plain auto-detected settings unless a profile is named
-    spec, plan, _ = plan_for(args)
+    spec, before, _ = plan_for(args)
     from localchat.planning.load import load_measured
+    from localchat.planning.memory import dtype_name, model_bytes
 
-    engine, baseline = load_measured(replace(spec, chunk=plan.chunk))
+    engine, baseline = load_measured(replace(spec, chunk=before.chunk))
+    base = baseline if device.kind == "cpu" else None
     window = engine.window if engine.compressing else None
-    chunks = [c for c in chunks if not window or plan.budget + c < window]
+    chunks = [c for c in chunks if not window or before.budget + c < window]
     speeds, peaks = [], []
     for c in chunks:
-        tps, peak = measure_speed(engine, args.tokens, c, baseline if device.kind == "cpu" else None)
+        tps, peak = measure_speed(engine, args.tokens, c, base)
         speeds.append(round(tps, 1))
         peaks.append(round(peak / MIB, 1))
         print(f"chunk {c:>5}: {tps:8.1f} tokens/s, peak {peak / MIB:8.1f} MiB", file=sys.stderr)
     measured_speed = {"chunks": chunks, "tokens_per_s": speeds}
-    req = plan_request(spec, engine.card, device.kind, fixed=fixed_fields(spec), measured=measured_speed)
-    check = make_plan(plan.shape, plan.memory, req, kind=device.kind, memory_source=plan.memory_source)
-    predicted = check.estimate.used
+    act = dtype_name(engine.model.get_input_embeddings().weight.dtype)
+    req = plan_request(spec, engine.card, before.kind, fixed=fixed_fields(spec) | {"weights"}, measured=measured_speed,
+                       weights_exact=model_bytes(engine.model), act=act)
+    req = replace(req, kv=None if "kv" in before.chosen else req.kv)
+    check = make_plan(before.shape, before.memory, req, kind=before.kind, memory_source=before.memory_source)
+    check.chosen = tuple(sorted(set(check.chosen) | set(before.chosen)))
+    print(f"checking budget {check.budget:,}, chunk {check.chunk:,}, {check.weights} weights, {check.kv} cache "
+          f"on a full cache ...", file=sys.stderr)
+    after = verify(engine, check, baseline=base)
     import torch
 
     from localchat import __version__
 
+    speed = dict(zip(chunks, speeds)).get(after.chunk)
     measured = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "model": engine.name, "prompt_tokens": args.tokens,
-        "chunks": chunks, "tokens_per_s": speeds, "peak_mib": peaks, "budget": plan.budget,
-        "chosen_chunk": check.chunk, "predicted_peak_mib": round(predicted / MIB, 1),
-        "measured_peak_mib": peaks[chunks.index(check.chunk)] if check.chunk in chunks else None,
+        "chunks": chunks, "tokens_per_s": speeds, "peak_mib": peaks,
+        **_summary("before", before), **_summary("after", after),
         "torch": torch.__version__, "localchat": __version__, "threads": torch.get_num_threads(),
     }
     table = {"description": f"tuned on {device.name}", "device": "cpu" if device.kind == "cpu" else device.name,
-             "memory_gb": round(device.total / GIB, 1), "fingerprint": device.fingerprint}
+             "memory_gb": round((before.memory if args.memory_gb else device.total) / GIB, 1),
+             "fingerprint": device.fingerprint}
     if spec.model:
         table["model"] = spec.model
-    table.update({"policy": engine.policy.name, "positions": engine.positions, "budget": plan.budget,
-                  "chunk": check.chunk, "local": engine.policy.local, "weights": plan.request.weights,
-                  "kv": plan.request.kv, "margin_mib": plan.estimate.margin // MIB})
-    table.update({k: v for k, v in spec.policy.params if k in profiles.SETTINGS})  # LOCRET's stabilizers
+    table.update({"policy": engine.policy.name, "positions": engine.positions, "budget": after.budget,
+                  "chunk": after.chunk, "local": engine.policy.local, "weights": after.weights,
+                  "kv": after.kv, "margin_mib": after.estimate.margin // MIB})
+    from localchat.engine.policies import policy_class
+
+    params = dict(spec.policy.params)
+    given = {k for k in params if k in dict(spec.asked)}
+    params = policy_class(spec.policy.name).settle({**params, "budget": after.budget}, given)
+    table.update({k: v for k, v in params.items() if k in profiles.SETTINGS and k != "budget"})  # LOCRET's n_s
     table["measured"] = measured
     name = args.name or f"tuned-{_slug(device.name if device.kind == 'cuda' else 'cpu')}"
     path = profiles.save_profile(name, table, make_default=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"profile": name, "config": str(path), **table}, indent=2) + "\n")
-    print(f"saved profile {name} to {path}: budget {plan.budget:,}, chunk {check.chunk:,} "
-          f"(fastest, {speeds[chunks.index(check.chunk)] if check.chunk in chunks else 0:,.0f} tokens/s)")
+    print("\n".join(_before_after(before, after, speed)))
+    print(f"saved profile {name} to {path}")
     print(profiles.profile_toml(name, table), end="")
     return 0
+
+
+def _summary(when: str, plan: Plan) -> dict:
+    """The plan's choices as flat `when_*` keys (a profile's [measured] table holds no nested tables)."""
+    facts = {"weights": plan.weights, "kv": plan.kv, "budget": plan.budget, "chunk": plan.chunk,
+             "predicted_peak_mib": round(plan.estimate.used / MIB, 1), "precision": plan.precision}
+    if plan.measured_peak is not None:
+        facts["measured_peak_mib"] = round(plan.measured_peak / MIB, 1)
+    return {f"{when}_{k}": v for k, v in facts.items()}
+
+
+def _before_after(before: Plan, after: Plan, speed: float | None) -> list[str]:
+    """The plan from arithmetic next to the measured one."""
+    rows = [("weights", before.weights, after.weights), ("KV cache", before.kv, after.kv),
+            ("budget", f"{before.budget:,}", f"{after.budget:,}"), ("chunk", f"{before.chunk:,}", f"{after.chunk:,}"),
+            ("peak", f"{before.estimate.used / GIB:.2f} GiB predicted",
+             f"{after.measured_peak / GIB:.2f} GiB measured" if after.measured_peak is not None else "-"),
+            ("reading", "-", f"{speed:,.0f} tokens/s" if speed else "-")]
+    lines = [f"{'':<10} {'before (plan)':<24} after (measured)"]
+    lines += [f"{label:<10} {b:<24} {a}" for label, b, a in rows]
+    return lines + [f"note       {n}" for n in after.notes if "does not fit" in n]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -300,3 +301,121 @@ def test_plan_json_is_what_the_engine_loads_and_runs_with(policy, flags, tmp_pat
         assert printed["policy"]["budget"] is None  # full attention has none
     if p.name == "locret":
         assert p.stabilizers == printed["policy"]["stabilizers"] < p.budget
+
+
+# --- precision: chosen by the plan, loaded as planned ------------------------------------------------------------
+
+
+def _fake_device(monkeypatch, free: int) -> None:
+    from localchat import profile_cli
+    from localchat.planning import resolve as resolve_mod
+
+    device = m.Device("cpu", "test machine", 64 * m.GIB, free)
+    fake = lambda kind=None: device  # noqa: E731
+    for module in (m, resolve_mod, profile_cli):
+        monkeypatch.setattr(module, "detect", fake)
+
+
+def _plan_json(argv, capsys) -> dict:
+    assert main([*argv, "plan", "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("want", [("fp32", "none"), ("bf16", "none"), ("bf16", "int8"), ("bf16", "int4")])
+def test_plan_chooses_the_precision_the_memory_allows_and_the_engine_loads_it(want, tmp_path, capsys, monkeypatch):
+    """Device memory x precision: with exactly the memory `want` needs at the target budget (and every better
+    choice needing more), the plan picks `want`, and the engine loads those weights and that cache."""
+    from localchat.cli import build_parser, load_engine
+    from tiny import save_tiny
+
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("LOCALCHAT_MARGIN_MIB", "1")
+    model = save_tiny(tmp_path / "m", layers=8, kv_heads=4, head_dim=64)  # the cache weighs as much as the weights
+    argv = ["--model", str(model), "--policy", "locret", "--heads", "random"]
+    _fake_device(monkeypatch, 64 * m.GIB)
+    need = {pair: _plan_json([*argv, "--weights", pair[0], "--kv", pair[1]], capsys)["predicted_total"]
+            for pair in planner.precision_choices(Request(weights=None, kv=None), "cpu")}
+    better = planner.precision_choices(Request(weights=None, kv=None), "cpu")
+    better = better[: better.index(want)]
+    assert all(need[p] > need[want] for p in better), "the memory axis must make `want` the best that fits"
+    _fake_device(monkeypatch, need[want] + 1)
+    printed = _plan_json(argv, capsys)
+    spec = printed["spec"]
+    assert (spec["weights"], spec["kv"]) == want and printed["precision_chosen"] == ["weights", "kv"]
+    assert printed["budget"] == printed["spec"]["policy"]["budget"] and printed["fits"]
+    engine = load_engine(build_parser().parse_args(argv))
+    assert engine.spec.to_dict() == spec
+    assert (engine.weights or "fp32", engine.kv) == want
+    q_proj = engine.model.model.layers[0].self_attn.q_proj
+    assert (type(q_proj).__name__ != "Linear") == (want[0] in ("int8", "int4"))
+    assert engine.model.get_input_embeddings().weight.dtype == (torch.bfloat16 if want[0] == "bf16" else torch.float32)
+    assert type(engine.new_cache()).__name__ == ("KVCache" if want[1] == "none" else "QuantizedKVCache")
+
+
+def test_plan_says_what_it_chose_and_what_the_next_step_up_needs():
+    s = shape("llama-3.1-8b-instruct")
+    req = gpu_request(weights=None, kv=None)
+    plan = make_plan(s, 12 * m.GIB, req, kind="cuda")
+    assert (plan.weights, plan.kv) == ("int8", "int8") and plan.budget == 16384 and plan.fits
+    assert plan.chosen == ("weights", "kv")
+    up = planner.precision_choices(req, "cuda")
+    up = up[up.index(("int8", "int8")) - 1]
+    need = m.estimate(s, budget=16384, chunk=256, local=100, max_new=512, weights=up[0],
+                      kv=up[1] if up[1] != "none" else "bf16", act="bf16", d_r=1024, margin=m.GIB).total
+    assert need > 12 * m.GIB  # the better choice really does not fit
+    assert f"would need {need / m.GIB:.1f} GiB" in plan.precision[1]
+    roomy = make_plan(s, 80 * m.GIB, req, kind="cuda")
+    assert (roomy.weights, roomy.kv) == ("bf16", "none") and "highest quality" in roomy.precision[0]
+    tight = make_plan(s, int(7.6 * m.GIB), req, kind="cuda")  # nothing keeps 16,384: the largest budget, no 2-bit cache
+    assert tight.weights == "nf4" and tight.kv != "int2" and tight.budget < 16384 and tight.fits
+
+
+def test_a_fixed_precision_is_kept_and_the_rest_is_chosen():
+    s = shape("llama-3.1-8b-instruct")
+    plan = make_plan(s, 18 * m.GIB, gpu_request(weights="bf16", kv=None), kind="cuda")
+    assert plan.weights == "bf16" and plan.kv != "none" and plan.chosen == ("kv",) and plan.budget == 16384
+    with pytest.raises(UserError, match="needs .* GiB"):
+        make_plan(s, 18 * m.GIB, gpu_request(weights="bf16", kv="none", budget=16384), kind="cuda")
+
+
+def test_verify_plans_a_cheaper_cache_around_a_measured_miss(monkeypatch):
+    """The memory model missed by 1.5 GiB with a full-precision cache: verify plans again with the miss taken off
+    (an int8 cache, which the plan chose) and measures that, keeping the target budget instead of cutting it."""
+    from types import SimpleNamespace
+
+    s = shape("llama-3.1-8b-instruct")
+    req = gpu_request(weights="bf16", kv=None)
+    roomy = make_plan(s, 64 * m.GIB, req, kind="cuda")
+    assert roomy.kv == "none"
+    plan = make_plan(s, roomy.estimate.total + 1, req, kind="cuda")  # the full-precision cache just fits on paper
+    assert (plan.kv, plan.budget) == ("none", 16384)
+    seen = []
+
+    def fake(engine, budget, chunk, max_new=0, baseline=None):
+        seen.append(engine.kv)
+        used = m.estimate(s, budget=budget, chunk=chunk, local=100, max_new=512, weights="bf16",
+                          kv="bf16" if engine.kv == "none" else engine.kv, act="bf16", d_r=1024).used
+        return used + (int(1.5 * m.GIB) if engine.kv == "none" else 0)
+
+    monkeypatch.setattr(planner, "measure_chunk", fake)
+    checked = planner.verify(SimpleNamespace(kv="none"), plan)
+    assert seen == ["none", checked.kv] and checked.kv == "int8" and checked.budget == 16384
+    assert checked.measured_peak + checked.estimate.margin <= checked.memory == plan.memory
+    assert any("does not fit; trying int8 cache" in n for n in checked.notes)
+
+
+def test_profile_tune_saves_budget_and_precision_with_before_and_after(tmp_path, capsys, monkeypatch):
+    from localchat.planning import profiles
+    from tiny import save_tiny
+
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    argv = ["--model", str(save_tiny(tmp_path / "m")), "--policy", "locret", "--heads", "random",
+            "profile", "tune", "--tokens", "128", "--chunks", "32,64", "--name", "mine", "--memory-gb", "2"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "before (plan)" in out and "after (measured)" in out and "measured" in out
+    saved = profiles.find("mine")
+    values, measured = saved.values, saved.meta["measured"]
+    assert values["chunk"] in (32, 64) and values["weights"] == measured["after_weights"]
+    assert values["budget"] == measured["after_budget"] and values["kv"] == measured["after_kv"]
+    assert measured["after_measured_peak_mib"] > 0 and measured["before_predicted_peak_mib"] > 0

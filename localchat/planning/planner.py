@@ -187,9 +187,16 @@ def _estimate(shape: Shape, req: Request, budget: int, chunk: int, margin: int) 
                     policy=req.policy)
 
 
+def _positions(req: Request, chunk: int) -> int:
+    """Compact positions a reading or answer needs above the budget (Engine._check_window's rule)."""
+    window = getattr(req.policy, "decode_window", 0) or 0
+    return max(chunk, req.local + 2 * window)
+
+
 def _window_ok(shape: Shape, req: Request, budget: int, chunk: int) -> bool:
-    """Compact positions never exceed budget + chunk: they must stay inside the model's window."""
-    return not (req.compact and shape.window) or budget + chunk < shape.window
+    """Compact positions never exceed the budget plus a chunk (or the local tail and decode window): they must
+    stay inside the model's window."""
+    return not (req.compact and shape.window) or budget + _positions(req, chunk) < shape.window
 
 
 def _chunk_order(req: Request) -> list[int]:
@@ -222,8 +229,7 @@ def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", mem
     would fit) when nothing does."""
     pairs = precision_choices(req, kind)
     if len(pairs) == 1:
-        return _plan_at(shape, memory, req.at(*pairs[0]) if req.weights is None or req.kv is None else req,
-                        kind=kind, memory_source=memory_source)
+        return _plan_at(shape, memory, req.at(*pairs[0]), kind=kind, memory_source=memory_source)
     chosen = tuple(k for k in ("weights", "kv") if getattr(req, k) is None)
     plans: list[Plan] = []
     for pair in pairs:
@@ -250,7 +256,7 @@ def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", mem
 def _target(shape: Shape, req: Request) -> int:
     target = req.budget or req.target or DEFAULT_TARGET
     if req.compact and shape.window:
-        target = min(target, shape.window - min(_chunk_order(req)) - 1)
+        target = min(target, shape.window - _positions(req, min(_chunk_order(req))) - 1)
     return target
 
 
@@ -300,7 +306,8 @@ def _plan_at(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memo
             need = _estimate(shape, req, budget, smallest, margin).total
             if not _window_ok(shape, req, budget, smallest):
                 raise UserError(f"budget {budget:,} + chunk {smallest:,} does not fit {shape.name}'s window of "
-                                f"{shape.window:,} positions; a budget up to {shape.window - smallest - 1:,} would")
+                                f"{shape.window:,} positions; a budget up to "
+                                f"{shape.window - _positions(req, smallest) - 1:,} would")
             raise UserError(f"budget {budget:,} needs {need / GIB:.1f} GiB with chunk {smallest} but "
                             f"{memory / GIB:.1f} GiB is available; "
                             + (f"a budget up to {best:,} would fit" if best else "nothing fits: the weights alone "
@@ -308,7 +315,7 @@ def _plan_at(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memo
     else:
         target = req.target or DEFAULT_TARGET
         if req.compact and shape.window:
-            target = min(target, shape.window - smallest - 1)
+            target = min(target, shape.window - _positions(req, smallest) - 1)
         budget = largest_budget(target)
         if budget < 1:
             e = _estimate(shape, req, 0, smallest, margin)
@@ -349,6 +356,10 @@ def measure_chunk(engine, budget: int, chunk: int, max_new: int = 0, baseline: i
     ids = torch.randint(0, len(engine.tokenizer), (n,), generator=gen).tolist()
     old_chunk, engine.chunk = engine.chunk, chunk
     cuda = engine.device.type == "cuda"
+    kept = {k: getattr(p, k) for k in p.options if hasattr(p, k)} | {"budget": p.budget}
+    if p.uses_budget():  # measure at this budget (the policy's own rule settles what depends on it)
+        for key, value in type(p).settle({**kept, "budget": budget}, set()).items():
+            setattr(p, key, value)
     try:
         if cuda:
             torch.cuda.synchronize()
@@ -371,16 +382,47 @@ def measure_chunk(engine, budget: int, chunk: int, max_new: int = 0, baseline: i
         return peak - baseline if baseline is not None else memory.model_bytes(engine.model) + peak - before
     finally:
         engine.chunk = old_chunk
+        for key, value in kept.items():
+            setattr(p, key, value)
+
+
+def replan_for_miss(plan: Plan, peak: int) -> Plan | None:
+    """The plan again with the memory model's miss (`peak` above the prediction) taken off the memory, so the
+    fields the plan chose (precision, budget, chunk) are chosen again around what was measured; None when
+    that changes nothing or nothing fits."""
+    miss = peak - plan.estimate.used
+    if miss <= 0:
+        return None
+    reopen = {k: None for k in plan.chosen}
+    try:
+        again = make_plan(plan.shape, plan.memory - miss, replace(plan.request, **reopen), kind=plan.kind,
+                          memory_source=plan.memory_source)
+    except UserError:
+        return None
+    same = (again.budget, again.chunk, again.weights, again.kv) == (plan.budget, plan.chunk, plan.weights, plan.kv)
+    if same:
+        return None
+    again.memory = plan.memory  # the real memory; the plan was made for less
+    return again
 
 
 def verify(engine, plan: Plan, baseline: int | None = None, tries: int = 4) -> Plan:
-    """Run a real chunk at the plan; while the measured peak + margin does not fit, halve the chunk (then
-    cut the budget by a quarter) and measure again. The returned plan carries the measured peak."""
+    """Run a real chunk at the plan; while the measured peak + margin does not fit, plan again around the
+    measured miss (a cheaper cache where the plan chose it, a smaller budget or chunk) or else halve the chunk
+    (then cut the budget by a quarter), and measure again. The returned plan carries the measured peak."""
     for _ in range(tries):
+        engine.kv = plan.kv  # the cache the plan is for (the weights are loaded)
         peak = measure_chunk(engine, plan.budget, plan.chunk, plan.request.max_new, baseline)
         plan.measured_peak = peak
         if peak + plan.estimate.margin <= plan.memory:
             return plan
+        again = replan_for_miss(plan, peak)
+        if again is not None:
+            again.notes = plan.notes + [f"measured {peak / GIB:.2f} GiB at {plan.weights} + {plan.kv} cache, budget "
+                                        f"{plan.budget:,}, chunk {plan.chunk:,}: does not fit; trying {again.kv} "
+                                        f"cache, budget {again.budget:,}, chunk {again.chunk:,}"]
+            plan = again
+            continue
         smaller = replace(plan.request, chunk=max(plan.chunk // 2, 1), budget=plan.budget)
         if plan.chunk <= min(CHUNKS):
             smaller.budget = max(1, plan.budget * 3 // 4)
