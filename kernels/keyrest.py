@@ -31,19 +31,24 @@ def carries_rest(dtype: torch.dtype) -> bool:
 
 def step(keys: torch.Tensor) -> torch.Tensor:
     """fp32 value of one remainder step for each element of `keys` (a half-precision tensor)."""
-    info = torch.finfo(keys.dtype)
-    bits = keys.float().view(torch.int32) & 0x7F800000  # the power of two at or below |w| (0 for 0)
-    floor = bits.view(torch.float32).clamp_min(info.smallest_normal)  # subnormals share the smallest spacing
-    return floor * (info.eps / STEPS)
+    return _step(keys.float(), keys.dtype)
+
+
+def _step(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    info = torch.finfo(dtype)
+    bits = w.view(torch.int32) & 0x7F800000  # the power of two at or below |w| (0 for 0), from fp32 `w`
+    return bits.view(torch.float32).clamp_min_(info.smallest_normal).mul_(info.eps / STEPS)  # subnormals: the smallest
 
 
 def join(keys: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
     """fp32 keys `w + r * step(w)`."""
-    return keys.float() + rest.float() * step(keys)
+    w = keys.float()
+    return w.addcmul_(rest.float(), _step(w, keys.dtype))
 
 
 def split(exact: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 `exact` -> (nearest `dtype` values, int8 remainders)."""
+    """fp32 `exact` -> (nearest `dtype` values, int8 remainders rounded half up, as the Triton kernel does)."""
     keys = exact.to(dtype)
-    rest = torch.floor((exact - keys.float()) / step(keys) + 0.5).clamp_(-LIMIT, LIMIT)
+    w = keys.float()
+    rest = (exact - w).div_(_step(w, dtype)).add_(0.5).floor_().clamp_(-LIMIT, LIMIT)
     return keys, rest.to(torch.int8)
