@@ -2,7 +2,7 @@
 
 In compact positions every eviction rotates each kept key to its new slot. Rounding the result to bf16 or fp16
 each time adds one rounding per eviction: after 256 evictions (128K tokens at chunk 512) a bf16 key is about
-17x further from its exact value than after one rotation (bench/results/compact-positions-drift). So a key
+22x further from its exact value than after one rotation (bench/results/compact-positions-drift). So a key
 in a half-precision compact cache carries, beside its value `w`, an int8 remainder `r`: its exact value is
 `w + r * step(w)`, with `step(w)` = 1/256 of the spacing of the dtype around `w` (a power of two). An eviction
 rotates `w + r * step(w)` in fp32 and splits the result again: `w` is the nearest value of the dtype (what

@@ -12,14 +12,14 @@ a key sits at the RoPE position of its slot; after an eviction each kept key is 
 shift (equivalent to LOCRET's pre-RoPE cache re-rotated every forward, and cheaper).
 
 Exact keys in half precision: rounding each re-rotated key to bf16/fp16 at every eviction would add one
-rounding per eviction (17x the error of one rotation after 256 evictions, 128K tokens at chunk 512). So from
-its first compact eviction a bf16/fp16 layer keeps an int8 remainder per key element `[1, H, capacity, d]`
-(kernels/keyrest.py): key + remainder is the key to 1/256 of the dtype's spacing, each eviction rotates that
-and rounds once. It costs head_dim bytes per unit and KV head (+25 % of K+V: `REST_BYTES`, `rest_bytes`),
-nothing between evictions; the other candidates measured were a second copy of the keys as they arrived,
-rotated once per eviction (+50 %), and keys kept at their insertion slot and rotated at every forward (a
-pass over the whole cache per decoded token). fp32 keeps the plain in-place rotation: its rounding does
-not add up measurably.
+rounding per eviction (in bf16, 22x the error of one rotation after 256 evictions at b=1024 and chunk 512,
+i.e. 128K tokens). So from its first compact eviction a bf16/fp16 layer keeps an int8 remainder per key
+element `[1, H, capacity, d]` (kernels/keyrest.py): key + remainder is the key to 1/256 of the dtype's
+spacing; each eviction rotates that and rounds once. It costs head_dim bytes per unit and KV head (+25 % of
+K+V: `REST_BYTES`, `rest_bytes`) and nothing between evictions. The alternatives: a second copy of the keys
+as they arrived, rotated once per eviction (as exact, +50 % of K+V), or keys kept at their insertion slot
+and rotated at every forward (no memory, but a pass over the whole cache per decoded token). fp32 keeps the
+plain in-place rotation: its rounding does not add up measurably (2e-6 after 256 evictions).
 """
 
 from __future__ import annotations
