@@ -26,11 +26,14 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.T
 
 
 def shift_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate `keys` `[1, H, n, d]` by `delta` `[H, n]` positions (Llama's rotate-half layout), in fp32."""
+    """Rotate `keys` `[1, H, n, d]` by `delta` `[H, n]` positions (Llama's rotate-half layout), in fp32.
+    Each half is written in place from half-width cos/sin (no full-width tables, no concatenations)."""
     angles = delta.to(torch.float32)[None, :, :, None] * inv_freq.to(keys.device, torch.float32)  # [1,H,n,d/2]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
     k = keys.to(torch.float32)
     half = k.shape[-1] // 2
-    rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    return (k * cos + rotated * sin).to(keys.dtype)
+    x1, x2 = k[..., :half], k[..., half:]
+    out = torch.empty_like(k)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)  # x2 cos + x1 sin
+    return out.to(keys.dtype)

@@ -125,6 +125,37 @@ def test_gather_rotate_twin_moves_keys_to_their_new_slots():
                                               *rope_table(torch.arange(4).expand(2, 4), inv)), atol=1e-5, rtol=1e-5)
 
 
+# (KV heads, units, kept, head_dim, dtype)
+REST_CASES = [
+    (3, 300, 100, 64, torch.bfloat16),
+    (2, 77, 77, 96, torch.float16),  # keep everything; padded head_dim
+    (2, 33, 1, 16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("h,n,k,d,dtype", REST_CASES)
+def test_gather_rotate_rest_kernel_equals_twin(h, n, k, d, dtype):
+    """Both give the same exact keys (key + remainder) to two remainder steps (1/256 of a spacing each): in-kernel
+    cos/sin differ from torch's in the last fp32 bit, which can tip a remainder's rounding (one step), and at
+    the middle between two keys the two may round to either side, each clamped at 127 steps of the 128 (one
+    more). The key may then differ by one spacing, its remainder making up for it, so joined values are compared."""
+    from localchat.kernels import keyrest
+
+    g = torch.Generator().manual_seed(n)
+    exact = torch.randn(1, h, n + 5, d, generator=g) * 3
+    keys, rest = keyrest.split(exact, dtype)
+    keys, rest = keys.to(DEV)[:, :, :n], rest.to(DEV)[:, :, :n]  # views with spare room
+    values = torch.randn(1, h, n, d, generator=g).to(dtype).to(DEV)
+    idx = torch.rand(h, n, generator=g).topk(k, dim=-1).indices.sort(dim=-1).values.to(DEV)
+    inv = inv_freq(d).to(DEV)
+    got_k, got_v, got_r = evict.gather_rotate_triton(keys, values, idx, inv, rest)
+    want_k, want_v, want_r = evict.gather_rotate_rest_torch(keys, values, rest, idx, inv)
+    assert torch.equal(got_v, want_v) and got_r.dtype == torch.int8
+    one_step = torch.maximum(keyrest.step(got_k), keyrest.step(want_k))
+    assert ((keyrest.join(got_k, got_r) - keyrest.join(want_k, want_r)).abs() <= 2.01 * one_step + 1e-6).all()
+    assert (got_k != want_k).float().mean() < 0.01
+
+
 def test_select_batched_equals_one_layer_at_a_time():
     g = torch.Generator().manual_seed(0)
     prios = [torch.randn(3, 40, generator=g) for _ in range(5)]

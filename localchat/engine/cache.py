@@ -10,6 +10,16 @@ re-copying the cache (transformers' DynamicLayer concatenates: O(n) per decoded 
 Positions: in `original` mode a key keeps the RoPE rotation of its true position. In `compact` mode
 a key sits at the RoPE position of its slot; after an eviction each kept key is rotated by its slot
 shift (equivalent to LOCRET's pre-RoPE cache re-rotated every forward, and cheaper).
+
+Exact keys in half precision: rounding each re-rotated key to bf16/fp16 at every eviction would add one
+rounding per eviction (in bf16, 22x the error of one rotation after 256 evictions at b=1024 and chunk 512,
+i.e. 128K tokens). So from its first compact eviction a bf16/fp16 layer keeps an int8 remainder per key
+element `[1, H, capacity, d]` (kernels/keyrest.py): key + remainder is the key to 1/256 of the dtype's
+spacing; each eviction rotates that and rounds once. It costs head_dim bytes per unit and KV head (+25 % of
+K+V: `REST_BYTES`, `rest_bytes`) and nothing between evictions. The alternatives: a second copy of the keys
+as they arrived, rotated once per eviction (as exact, +50 % of K+V), or keys kept at their insertion slot
+and rotated at every forward (no memory, but a pass over the whole cache per decoded token). fp32 keeps the
+plain in-place rotation: its rounding does not add up measurably (2e-6 after 256 evictions).
 """
 
 from __future__ import annotations
@@ -17,9 +27,17 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from localchat.kernels.evict import gather_rotate
+from localchat.kernels.evict import gather_rotate, gather_rotate_rest
+from localchat.kernels.keyrest import carries_rest
 
 POSITION_MODES = ("compact", "original")
+REST_BYTES = 1  # bytes of key remainder per key element, compact positions in bf16/fp16 (kernels/keyrest.py)
+
+
+def rest_bytes(head_dim: int, dtype: torch.dtype, positions: str) -> int:
+    """Bytes a retained unit holds beside its K and V, per layer and KV head: the int8 remainder of its key in
+    compact positions at bf16/fp16 (`head_dim` bytes), else 0. For a planner: K+V is `2 * head_dim * dtype size`."""
+    return head_dim * REST_BYTES if positions == "compact" and carries_rest(dtype) else 0
 
 
 class KVLayer(DynamicLayer):
@@ -30,6 +48,7 @@ class KVLayer(DynamicLayer):
         self.reserve = reserve  # expected peak length; the first allocation takes it
         self.n = 0
         self._k = self._v = None
+        self._r: torch.Tensor | None = None  # [1, H, capacity, d] int8 key remainders (compact, bf16/fp16)
         self._s: torch.Tensor | None = None  # [H, capacity] float32 scores
         self._p: torch.Tensor | None = None  # [H, capacity] int64 original positions
         self.pending_positions: torch.Tensor | None = None  # [T] original positions of the next update
@@ -51,12 +70,15 @@ class KVLayer(DynamicLayer):
         v = like_v.new_empty((b, h, new_cap, like_v.shape[-1]))
         s = torch.zeros((h, new_cap), dtype=torch.float32, device=like_k.device)
         p = torch.zeros((h, new_cap), dtype=torch.long, device=like_k.device)
+        r = None if self._r is None else torch.zeros(k.shape, dtype=torch.int8, device=k.device)
         if self.n:
             k[:, :, : self.n] = self._k[:, :, : self.n]
             v[:, :, : self.n] = self._v[:, :, : self.n]
             s[:, : self.n] = self._s[:, : self.n]
             p[:, : self.n] = self._p[:, : self.n]
-        self._k, self._v, self._s, self._p = k, v, s, p
+            if r is not None:
+                r[:, :, : self.n] = self._r[:, :, : self.n]
+        self._k, self._v, self._s, self._p, self._r = k, v, s, p, r
 
     def _publish(self) -> None:
         self.keys = self._k[:, :, : self.n]
@@ -80,6 +102,8 @@ class KVLayer(DynamicLayer):
         end = self.n + t
         self._k[:, :, self.n : end] = key_states
         self._v[:, :, self.n : end] = value_states
+        if self._r is not None:  # keys come in exact
+            self._r[:, :, self.n : end] = 0
         self._s[:, self.n : end] = 0.0
         pos = self.pending_positions
         self._p[:, self.n : end] = pos if pos is not None else torch.arange(self.n, end, device=self._p.device)
@@ -93,9 +117,16 @@ class KVLayer(DynamicLayer):
     # --- eviction ------------------------------------------------------------------------------
 
     def keep(self, idx: torch.Tensor, inv_freq: torch.Tensor | None = None) -> None:
-        """Keep units `idx` (`[H_kv, k]`, ascending per head). With `inv_freq`, move keys to their new slots."""
+        """Keep units `idx` (`[H_kv, k]`, ascending per head). With `inv_freq`, move keys to their new slots
+        (bf16/fp16 keys with their remainders, see the module doc)."""
         k = idx.shape[-1]
-        keys, values = gather_rotate(self.keys, self.values, idx, inv_freq)  # kernels/evict.py
+        if inv_freq is not None and carries_rest(self._k.dtype):
+            if self._r is None:  # the first move: every key held is still as it came, exact
+                self._r = torch.zeros(self._k.shape, dtype=torch.int8, device=self._k.device)
+            keys, values, rest = gather_rotate_rest(self.keys, self.values, self._r[:, :, : self.n], idx, inv_freq)
+            self._r[:, :, :k] = rest
+        else:
+            keys, values = gather_rotate(self.keys, self.values, idx, inv_freq)  # kernels/evict.py
         self._s[:, :k] = torch.gather(self.scores, 1, idx)
         self._p[:, :k] = torch.gather(self.positions, 1, idx)
         self._k[:, :, :k] = keys
@@ -111,33 +142,46 @@ class KVLayer(DynamicLayer):
             self._publish()
 
     def reset(self) -> None:
-        self._k = self._v = self._s = self._p = None
+        self._k = self._v = self._s = self._p = self._r = None
         self.n = 0
         super().reset()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The units held: keys, values `[1, H, n, d]`, scores and positions `[H, n]` (views)."""
+        """The units held: keys, values `[1, H, n, d]`, scores and positions `[H, n]` (views), and the keys'
+        remainders `kr` `[1, H, n, d]` int8 once a compact bf16/fp16 layer has moved them."""
         if self._k is None:
             return {}
-        return {"k": self.keys, "v": self.values, "s": self.scores, "p": self.positions}
+        out = {"k": self.keys, "v": self.values, "s": self.scores, "p": self.positions}
+        if self._r is not None:
+            out["kr"] = self._r[:, :, : self.n]
+        return out
 
-    def fill(self, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
-        """Hold exactly these units (copies), with room to grow as `reserve` asks."""
+    def fill(self, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, p: torch.Tensor,
+             kr: torch.Tensor | None = None) -> None:
+        """Hold exactly these units (copies), with room to grow as `reserve` asks. Without `kr` (a cache saved
+        before keys carried remainders, or never moved) the keys are taken as exact."""
         self.reset()
         self.lazy_initialization(k, v)
         self._ensure(k.shape[-2], k, v)
         n = k.shape[-2]
         self._k[:, :, :n], self._v[:, :, :n] = k, v
         self._s[:, :n], self._p[:, :n] = s, p
+        if kr is not None:
+            self._r = torch.zeros(self._k.shape, dtype=torch.int8, device=self._k.device)
+            self._r[:, :, :n] = kr
         self.n = n
         self._publish()
 
     def nbytes(self) -> int:
-        """Bytes of the K/V units held (not the spare room, not the scores)."""
+        """Bytes of the K/V units held (not the spare room, not the scores, not the key remainders)."""
         if self._k is None:
             return 0
         per_unit = self._k.shape[1] * (self._k.shape[-1] * self._k.element_size() + self._v.shape[-1] * self._v.element_size())
         return self.n * per_unit
+
+    def rest_nbytes(self) -> int:
+        """Bytes of the key remainders of the units held (0 without remainders)."""
+        return 0 if self._r is None else self.n * self._r.shape[1] * self._r.shape[-1] * REST_BYTES
 
 
 class KVCache(Cache):
@@ -169,10 +213,17 @@ class KVCache(Cache):
         self.layers[layer_idx].keep(idx, self.inv_freq if self.positions == "compact" else None)
 
     def nbytes(self) -> int:
+        """Bytes the units hold: K/V and the key remainders (what the footer shows as KV memory)."""
+        rest = sum(layer.rest_nbytes() for layer in self.layers if isinstance(layer, KVLayer))  # not offloaded ones
+        return self.kv_nbytes() + rest
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the K/V units alone (what a full-precision unit costs, for the compression figure)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every layer's units as `{"k.0": ..., "v.0": ..., "s.0": ..., "p.0": ..., "k.1": ...}` (views)."""
+        """Every layer's units as `{"k.0": ..., "v.0": ..., "s.0": ..., "p.0": ..., "k.1": ...}` (views), with
+        `kr.i` where layer i keeps key remainders."""
         return {f"{name}.{i}": t for i, layer in enumerate(self.layers) for name, t in layer.tensors().items()}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -181,7 +232,7 @@ class KVCache(Cache):
             raise KeyError("it holds a quantized cache (saved with --kv); load it with the same --kv")
         for i, layer in enumerate(self.layers):
             if f"k.{i}" in tensors:
-                layer.fill(*(tensors[f"{name}.{i}"] for name in "kvsp"))
+                layer.fill(*(tensors[f"{name}.{i}"] for name in "kvsp"), kr=tensors.get(f"kr.{i}"))
             else:
                 layer.reset()
 

@@ -254,6 +254,7 @@ def peak_units(policy: Policy, prompt_tokens: int, chunk: int, max_new: int) -> 
 
 
 def _unit_bytes(cache: KVCache, held: int) -> int:
-    """Bytes of one unit (all layers) at full precision: a quantized cache says its own, else nbytes / held."""
+    """Bytes of one unit (all layers) at full precision: a quantized cache says its own, else K/V bytes / held
+    (a full cache carries no key remainders)."""
     full = getattr(cache, "full_unit_bytes", None)
-    return full() if full is not None else cache.nbytes() // max(held, 1)
+    return full() if full is not None else cache.kv_nbytes() // max(held, 1)
