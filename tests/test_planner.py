@@ -48,7 +48,7 @@ def test_tight_memory_lowers_the_budget_to_the_largest_that_fits():
     plan = make_plan(s, memory, req, kind="cuda")
     assert plan.budget < 16384 and plan.fits
     e = lambda b, c: m.estimate(s, budget=b, chunk=c, local=100, max_new=512, weights="nf4", kv="bf16", act="bf16",
-                                d_r=1024, margin=m.GIB).total
+                                d_r=1024, margin=m.GIB, compact=True).total
     assert e(plan.budget + 128, 256) > memory  # rounded down to 64 from the true maximum
     assert e(plan.budget, plan.chunk) <= memory
     assert any("lowered" in n for n in plan.notes)
@@ -360,7 +360,7 @@ def test_plan_says_what_it_chose_and_what_the_next_step_up_needs():
     assert plan.chosen == ("weights", "kv")
     up = planner.precision_choices(req, "cuda")
     up = up[up.index(("int8", "int8")) - 1]
-    need = m.estimate(s, budget=16384, chunk=256, local=100, max_new=512, weights=up[0],
+    need = m.estimate(s, budget=16384, chunk=256, local=100, max_new=512, weights=up[0], compact=True,
                       kv=up[1] if up[1] != "none" else "bf16", act="bf16", d_r=1024, margin=m.GIB).total
     assert need > 12 * m.GIB  # the better choice really does not fit
     assert f"would need {need / m.GIB:.1f} GiB" in plan.precision[1]
@@ -393,7 +393,7 @@ def test_verify_plans_a_cheaper_cache_around_a_measured_miss(monkeypatch):
 
     def fake(engine, budget, chunk, max_new=0, baseline=None):
         seen.append(engine.kv)
-        used = m.estimate(s, budget=budget, chunk=chunk, local=100, max_new=512, weights="bf16",
+        used = m.estimate(s, budget=budget, chunk=chunk, local=100, max_new=512, weights="bf16", compact=True,
                           kv="bf16" if engine.kv == "none" else engine.kv, act="bf16", d_r=1024).used
         return used + (int(1.5 * m.GIB) if engine.kv == "none" else 0)
 

@@ -120,17 +120,24 @@ class KVLayer(DynamicLayer):
         """Keep units `idx` (`[H_kv, k]`, ascending per head). With `inv_freq`, move keys to their new slots
         (bf16/fp16 keys with their remainders, see the module doc)."""
         k = idx.shape[-1]
-        if inv_freq is not None and carries_rest(self._k.dtype):
-            if self._r is None:  # the first move: every key held is still as it came, exact
-                self._r = torch.zeros(self._k.shape, dtype=torch.int8, device=self._k.device)
-            keys, values, rest = gather_rotate_rest(self.keys, self.values, self._r[:, :, : self.n], idx, inv_freq)
-            self._r[:, :, :k] = rest
-        else:
-            keys, values = gather_rotate(self.keys, self.values, idx, inv_freq)  # kernels/evict.py
+        rest = inv_freq is not None and carries_rest(self._k.dtype)
+        if rest and self._r is None:  # the first move: every key held is still as it came, exact
+            self._r = torch.zeros(self._k.shape, dtype=torch.int8, device=self._k.device)
+        # On the CPU one head at a time: the kept copies and the rotation's fp32 temporaries stay one head's size
+        # (the planner's eviction scratch, memory.evict_bytes); a GPU kernel does every head in one launch.
+        heads = [slice(h, h + 1) for h in range(idx.shape[0])] if self._k.device.type == "cpu" else [slice(None)]
+        n = self.n
+        for h in heads:
+            if rest:
+                keys, values, kept_r = gather_rotate_rest(self._k[:, h, :n], self._v[:, h, :n], self._r[:, h, :n],
+                                                          idx[h], inv_freq)
+                self._r[:, h, :k] = kept_r
+            else:
+                keys, values = gather_rotate(self._k[:, h, :n], self._v[:, h, :n], idx[h], inv_freq)  # kernels/evict.py
+            self._k[:, h, :k] = keys
+            self._v[:, h, :k] = values
         self._s[:, :k] = torch.gather(self.scores, 1, idx)
         self._p[:, :k] = torch.gather(self.positions, 1, idx)
-        self._k[:, :, :k] = keys
-        self._v[:, :, :k] = values
         self.n = k
         self._publish()
 

@@ -3,7 +3,8 @@
 The memory model (docs/design.md §3, docs/methods/locret.md §2.6) in bytes:
   weights      parameters x bytes per parameter (4-bit: linear layers only, 0.5 byte + one fp32 scale per 64)
   kv           (budget + chunk + n_loc + max_new) units x layers x KV heads x (K + V at the cache dtype
-               + an fp32 score + an int64 position): what engine/cache.py allocates. A quantized cache
+               + an fp32 score + an int64 position + in compact bf16/fp16 the key's int8 remainder): what
+               engine/cache.py allocates. A quantized cache
                (engine/qcache.py) holds packed codes + an fp16 scale and zero per group instead of K + V,
                and a full-precision tail of chunk + RESIDUAL units per layer
   kv copy      a quantized cache only: each forward reads one layer's units through a full-precision copy
@@ -209,16 +210,20 @@ def weight_bytes(shape: Shape, weights: str = "bf16") -> int:
     return int(shape.total_params() * elem_bytes(weights))
 
 
-def kv_unit_bytes(shape: Shape, kv: str = "bf16") -> int:
+def kv_unit_bytes(shape: Shape, kv: str = "bf16", compact: bool = False) -> int:
     """One unit in every layer and KV head: K and V at `kv` (quantized: packed codes with an fp16 scale and
-    zero per group of head_dim), an fp32 score and an int64 position."""
+    zero per group of head_dim), an fp32 score and an int64 position; in compact positions at bf16/fp16, the
+    key's int8 remainder that keeps re-rotated keys exact (engine/cache.py)."""
     d = shape.head_dim
     if quantized(kv):
         from localchat.kernels.quant import group_size
 
         per_head = 2 * d * dtype_bits(kv) // 8 + 4 * (d // group_size(d)) * 2 + 4 + 8
     else:
-        per_head = 2 * d * elem_bytes(kv) + 4 + 8
+        from localchat.engine.cache import REST_BYTES
+
+        rest = d * REST_BYTES if compact and kv in ("bf16", "fp16") else 0
+        per_head = 2 * d * elem_bytes(kv) + 4 + 8 + rest
     return int(round(shape.layers * shape.kv_heads * per_head))
 
 
@@ -229,6 +234,18 @@ def kv_tail_bytes(shape: Shape, kv: str, act: str, chunk: int) -> int:
     from localchat.engine.qcache import RESIDUAL
 
     return int((chunk + RESIDUAL) * shape.layers * shape.kv_heads * 2 * shape.head_dim * elem_bytes(act))
+
+
+def evict_bytes(shape: Shape, kv: str, act: str, budget: int, *, per_head: bool, compact: bool) -> int:
+    """An eviction's scratch in one layer: the kept units gathered before they move into place. A quantized cache
+    gathers packed rows (every head); a plain one gathers K and V (and, compact in bf16/fp16, the remainders),
+    one KV head at a time on the CPU with the rotation's fp32 temporaries, every head at once on a GPU."""
+    if quantized(kv):
+        return budget * (kv_unit_bytes(shape, kv) // shape.layers)
+    d, heads = shape.head_dim, 1 if per_head else shape.kv_heads
+    kept = 2 * d * elem_bytes(kv) + (d if compact and kv in ("bf16", "fp16") else 0)
+    rotation = 6 * d * 4 if compact and per_head else 0  # fp32 key, cos/sin halves, rotated halves (kernels/rope.py)
+    return int(budget * heads * (kept + rotation))
 
 
 def kv_copy_bytes(shape: Shape, kv: str, act: str, kv_len: int) -> int:
@@ -292,11 +309,13 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     scores: int = 0  # what the policy's scoring adds (attention rows in fp32, CORM's messages)
     kv_copy: int = 0  # a quantized cache's full-precision copy of one layer during a forward
+    evict: int = 0  # an eviction's scratch in one layer (evict_bytes)
 
     @property
     def used(self) -> int:
         """Peak bytes the engine itself uses (everything but the margin)."""
-        return self.weights + self.kv + self.activations + self.scratch + self.heads + self.scores + self.kv_copy
+        transient = max(self.activations + self.scratch + self.kv_copy, self.evict)  # a forward, or an eviction
+        return self.weights + self.kv + transient + self.heads + self.scores
 
     @property
     def total(self) -> int:
@@ -305,21 +324,24 @@ class Estimate:
     def rows(self) -> list[tuple[str, int]]:
         rows = [("weights", self.weights), ("KV cache", self.kv)]
         rows += [("KV copy (1 layer)", self.kv_copy)] if self.kv_copy else []
-        rows += [("activations", self.activations), ("attention scratch", self.scratch),
-                 ("retaining heads", self.heads)]
+        rows += [("activations", self.activations), ("attention scratch", self.scratch)]
+        forward = self.activations + self.scratch + self.kv_copy  # the rows add up to the total:
+        rows += [("eviction, beyond", self.evict - forward)] if self.evict > forward else []  # the larger transient
+        rows += [("retaining heads", self.heads)]
         return rows + ([("policy scores", self.scores)] if self.scores else []) + [("margin", self.margin)]
 
 
 def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: int = 0, weights: str = "bf16",
              kv: str = "bf16", act: str = "bf16", d_r: int = 0, margin: int = 0,
-             weights_exact: int | None = None, policy=None) -> Estimate:
+             weights_exact: int | None = None, policy=None, compact: bool = False, kind: str = "cuda") -> Estimate:
     """Peak memory of a LOCRET prefill + answer at these settings. `weights_exact`: the loaded model's bytes;
     `policy`: the Policy, whose scoring may need memory of its own (its `score_bytes`), or None."""
     units = kv_units(budget, chunk, local, max_new)
     return Estimate(
         weights=weights_exact if weights_exact is not None else weight_bytes(shape, weights),
-        kv=units * kv_unit_bytes(shape, kv) + kv_tail_bytes(shape, kv, act, chunk),
+        kv=units * kv_unit_bytes(shape, kv, compact) + kv_tail_bytes(shape, kv, act, chunk),
         kv_copy=kv_copy_bytes(shape, kv, act, budget + local + max(chunk, max_new)),
+        evict=evict_bytes(shape, kv, act, budget + local, per_head=kind == "cpu", compact=compact),
         activations=activation_bytes(shape, chunk, act),
         scratch=scratch_bytes(shape, chunk, budget + chunk + local, act),
         heads=heads_bytes(shape, d_r, chunk, act),

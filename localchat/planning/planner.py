@@ -54,6 +54,7 @@ class Request:
     policy: object = None  # the Policy; its scoring may need memory of its own (Policy.score_bytes)
     host_memory: int | None = None  # bytes free in host memory, for layers the policy offloads there (OmniKV)
     doc_tokens: int = LONG_DOC  # the document to serve: a policy that keeps the whole prompt must hold it
+    kind: str = "cuda"  # the device kind the plan is for (make_plan sets it)
 
     def kv_dtype(self) -> str:
         """The retained cache's dtype name: the activations' when it is not quantized."""
@@ -184,7 +185,7 @@ def _margin(req: Request, kind: str) -> int:
 def _estimate(shape: Shape, req: Request, budget: int, chunk: int, margin: int) -> Estimate:
     return estimate(shape, budget=budget, chunk=chunk, local=req.local, max_new=req.max_new, weights=req.weights,
                     kv=req.kv_dtype(), act=req.act, d_r=req.d_r, margin=margin, weights_exact=req.weights_exact,
-                    policy=req.policy)
+                    policy=req.policy, compact=req.compact, kind=req.kind)
 
 
 def _positions(req: Request, chunk: int) -> int:
@@ -227,6 +228,7 @@ def _label(weights: str, kv: str) -> str:
 def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memory_source: str = "") -> Plan:
     """The plan for `memory` bytes, choosing the precision the request leaves open; UserError (saying what
     would fit) when nothing does."""
+    req = replace(req, kind=kind)
     pairs = precision_choices(req, kind)
     if len(pairs) == 1:
         return _plan_at(shape, memory, req.at(*pairs[0]), kind=kind, memory_source=memory_source)
