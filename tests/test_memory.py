@@ -119,3 +119,14 @@ def test_read_config_errors_are_one_line(tmp_path):
         m.read_config(tmp_path)
     with pytest.raises(ValueError, match="cannot read"):
         m.read_config(tmp_path / "missing.json")
+
+
+def test_gpu_cap_reads_gb_and_refuses_nonsense_in_one_line():
+    from localchat.errors import UserError
+
+    assert m.gpu_cap({}) is None and m.gpu_cap({m.GPU_CAP_ENV: " "}) is None
+    assert m.gpu_cap({m.GPU_CAP_ENV: "24"}) == 24 * m.GIB
+    assert m.gpu_cap({m.GPU_CAP_ENV: "7.5"}) == int(7.5 * m.GIB)
+    for bad in ("nan", "-1", "0", "inf", "lots", "1e300"):
+        with pytest.raises(UserError, match="LOCALCHAT_GPU_MEMORY_GB must be a number of GB above 0"):
+            m.gpu_cap({m.GPU_CAP_ENV: bad})

@@ -107,14 +107,39 @@ def _cuda_driver() -> str | None:
         return None
 
 
+GPU_CAP_ENV = "LOCALCHAT_GPU_MEMORY_GB"
+
+
+def gpu_cap(env: dict | None = None) -> int | None:
+    """Bytes this process may use on the GPU (`LOCALCHAT_GPU_MEMORY_GB`: share a card, or stand for a smaller
+    one), or None; a bad value is one line."""
+    from localchat.errors import UserError
+
+    text = (os.environ if env is None else env).get(GPU_CAP_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = float("nan")
+    if not (gb > 0 and gb < 1e6):
+        raise UserError(f"{GPU_CAP_ENV} must be a number of GB above 0 (got {text!r}); e.g. {GPU_CAP_ENV}=24")
+    return int(gb * GIB)
+
+
 def detect(device: str | None = None) -> Device:
-    """The device the engine would use: the first CUDA GPU, else this CPU's RAM."""
+    """The device the engine would use: the first CUDA GPU, else this CPU's RAM. Under `LOCALCHAT_GPU_MEMORY_GB`
+    the GPU's allocator is capped there (torch's per-process fraction) and the plan sees the capped card."""
     import torch
 
     if device != "cpu" and torch.cuda.is_available():
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         free, total = torch.cuda.mem_get_info(index)
+        cap = gpu_cap()
+        if cap is not None and cap < total:
+            torch.cuda.set_per_process_memory_fraction(cap / total, index)
+            free, total = min(free, cap - torch.cuda.memory_reserved(index)), cap
         return Device("cuda", props.name, total, free, f"{props.major}.{props.minor}", _cuda_driver())
     total, available = cpu_memory()
     return Device("cpu", cpu_model() or platform.machine(), total, available)

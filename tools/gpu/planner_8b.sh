@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Issue #38 on a lent GPU: the planner at real scale with random-weight models built from real configs (speed and
+# memory only: the answers are noise, and every figure says so). From the repo root, everything under OUT:
+#
+#   export PYTHONPATH=WHEELS_DIR         # where `pip install --target WHEELS_DIR` put our wheels
+#   bash tools/gpu/planner_8b.sh OUT_DIR
+#
+# Resumable: a step whose output file exists is skipped, so a short GPU window can run it again and go on.
+# Knobs: DRY=1 prints the commands; STEPS="0 1 2 3 4" picks steps; MODELS="llama-3.1-8b-instruct
+# phi-3-mini-128k-instruct" (configs in tests/data/configs); CAPS="24 12 8" (GB, LOCALCHAT_GPU_MEMORY_GB: the
+# allocator is capped there to stand for an RTX 4090 / 4070 / 4060); LENGTHS="32768 65536 98304 131072" (full
+# attention's failure search); PY (default python3).
+#   step 0  environment, nvidia-smi, versions
+#   step 1  `localchat bench random-model` per model (bf16, all layers; ~2-3 min and 16 GB of disk for the 8B)
+#   step 2  per model x cap: `plan --json` (the precision and budget chosen) and `plan --verify --json` (one chunk
+#           on a full cache: measured peak vs planned)
+#   step 3  the 8B at 24 GB: a 128K-token document read end to end by `ask --stats` at the plan's choice, with
+#           nvidia-smi sampling the GPU's busy share; prefill and decode tok/s are in the stats line
+#   step 4  the 8B at 24 GB, --policy full: the first length in LENGTHS that fails (one-line refusal or OOM)
+
+set -o pipefail
+OUT=${1:?usage: tools/gpu/planner_8b.sh OUT_DIR}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/../.." || exit 1
+PY=${PY:-python3}
+. tools/gpu/env.sh
+DRY=${DRY:-0}
+STEPS=${STEPS:-"0 1 2 3 4"}
+MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
+CAPS=${CAPS:-"24 12 8"}
+LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
+BIG=llama-3.1-8b-instruct
+LC="$PY -m localchat"
+export LOCALCHAT_CONFIG_DIR=${LOCALCHAT_CONFIG_DIR:-$OUT/config}  # no user profile interferes
+mkdir -p "$LOCALCHAT_CONFIG_DIR"
+
+run() {  # run OUTFILE CMD...: skip when OUTFILE exists; stdout to OUTFILE, stderr to OUTFILE.err
+    local out=$1; shift
+    if [ -s "$out" ]; then echo "skip (done): $out"; return 0; fi
+    echo "+ $*  > $out"
+    [ "$DRY" = 1 ] && return 0
+    local t0=$SECONDS
+    "$@" > "$out.part" 2> "$out.err"; local rc=$?
+    mv "$out.part" "$out"
+    echo "$rc $((SECONDS - t0))s $*" >> "$OUT/summary.txt"
+}
+
+doc() {  # doc TOKENS: a plain-text document of about TOKENS tokens (sentences with numbers, no repetition)
+    local f="$OUT/doc-$1.txt"
+    [ -s "$f" ] || "$PY" - "$1" "$f" <<'EOF'
+import random, sys
+n, path = int(sys.argv[1]), sys.argv[2]
+rng = random.Random(n)
+words = "the river city report engine budget summer window cache model reader answer table field".split()
+out, count = [], 0
+while count < n:
+    s = " ".join(rng.choice(words) for _ in range(12)) + f" {rng.randrange(10**6)}."
+    out.append(s.capitalize())
+    count += 16  # about 16 tokens a sentence for this tokenizer
+open(path, "w").write("\n".join(out) + "\n")
+EOF
+    echo "$f"
+}
+
+for step in $STEPS; do case $step in
+0) run "$OUT/env.txt" bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
+1) for m in $MODELS; do
+       [ -s "$OUT/models/$m/localchat-random-model.json" ] && { echo "skip (done): model $m"; continue; }
+       run "$OUT/build-$m.txt" $LC bench random-model "tests/data/configs/$m.json" "$OUT/models/$m"
+   done ;;
+2) for m in $MODELS; do for cap in $CAPS; do
+       run "$OUT/plan-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$OUT/models/$m" --heads random plan --json
+       run "$OUT/verify-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$OUT/models/$m" --heads random plan --verify --json
+   done; done ;;
+3) f=$(doc 131072)
+   [ "$DRY" = 1 ] || { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 200 > "$OUT/gpu-busy-128k.csv" & }
+   SMI=$!
+   run "$OUT/read-128k-$BIG-24gb.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --model "$OUT/models/$BIG" --heads random \
+       --max-new-tokens 64 ask --file "$f" --stats "What is the last number in the document?"
+   [ "$DRY" = 1 ] || kill $SMI ;;
+4) for n in $LENGTHS; do
+       f=$(doc "$n")
+       run "$OUT/full-$n-$BIG-24gb.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --model "$OUT/models/$BIG" --policy full \
+           --max-new-tokens 8 ask --file "$f" --stats "What is the last number in the document?"
+       grep -q "^[1-9]" <(tail -1 "$OUT/summary.txt" 2>/dev/null) && break  # the first failure is the answer
+   done ;;
+esac; done
+echo "done: $OUT (summary.txt: exit code, seconds, command)"
