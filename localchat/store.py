@@ -86,6 +86,13 @@ class ChatInfo:
     updated: float
 
 
+def _quantized_weights(engine) -> str | None:
+    """The weights' quantization (int8/int4/nf4), or None: a float dtype is already in the fingerprint's `dtype`, so a
+    chat saved before the plan named fp32 explicitly keeps its cache."""
+    weights = getattr(engine, "weights", None)
+    return None if weights in (None, "fp32", "bf16", "fp16") else weights
+
+
 def fingerprint(engine) -> str:
     """What a saved cache depends on besides the text: model, policy (incl. heads), versions."""
     import transformers
@@ -93,7 +100,7 @@ def fingerprint(engine) -> str:
     facts = {
         "model": engine.name, "config": engine.model.config.to_json_string(use_diff=False),
         "dtype": str(next(engine.model.parameters()).dtype), "settings": settings_of(engine),
-        "heads": _heads_hash(getattr(engine.policy, "heads", None)), "weights": getattr(engine, "weights", None),
+        "heads": _heads_hash(getattr(engine.policy, "heads", None)), "weights": _quantized_weights(engine),
         "torch": torch.__version__, "transformers": transformers.__version__, "localchat": __version__,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()

@@ -419,3 +419,12 @@ def test_profile_tune_saves_budget_and_precision_with_before_and_after(tmp_path,
     assert values["chunk"] in (32, 64) and values["weights"] == measured["after_weights"]
     assert values["budget"] == measured["after_budget"] and values["kv"] == measured["after_kv"]
     assert measured["after_measured_peak_mib"] > 0 and measured["before_predicted_peak_mib"] > 0
+
+
+def test_a_two_bit_cache_is_the_last_resort_not_a_way_to_keep_the_budget():
+    s = shape("llama-3.1-8b-instruct")
+    plan = make_plan(s, 8 * m.GIB, gpu_request(weights=None, kv=None), kind="cuda")
+    two_bit = make_plan(s, 8 * m.GIB, gpu_request(weights="nf4", kv="int2"), kind="cuda")
+    assert two_bit.budget == 16384  # int2 would keep the whole budget ...
+    assert (plan.weights, plan.kv) == ("nf4", "int4") and plan.budget < 16384  # ... but 4 bits are kept instead
+    assert "the largest budget" in plan.precision[0] and "int2" not in plan.precision[1]

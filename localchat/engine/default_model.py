@@ -8,7 +8,6 @@ weights carry their own checksums (weights_check.py): damaged ones are converted
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -32,12 +31,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def sha256_of(path: Path, block: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
+sha256_of = weights_check.sha256_of  # the GGUF's digest against the card's
 
 
 def verify_gguf(path: Path, card: ModelCard) -> None:

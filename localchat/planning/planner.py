@@ -5,7 +5,7 @@ plan against a real chunk.
 Precision, where the user did not fix it: the highest quality that keeps the target budget. Each step down
 has a quality cost (WEIGHT_COST, KV_COST: int8 is close to lossless, 4 bits costs more, a 2-bit cache the
 most); the cheapest combination that fits wins, the higher weights precision on a tie. When none keeps the
-target, the one with the largest budget (2-bit caches only if nothing else fits at all).
+target, the one with the largest budget. A 2-bit cache only when nothing else fits at all.
 
 `make_plan` is arithmetic only (no weights are loaded); `verify` runs one chunk on a full cache with the
 loaded engine, reads the real peak, and shrinks the chunk (then the budget) while it does not fit.
@@ -233,7 +233,29 @@ def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", mem
     if len(pairs) == 1:
         return _plan_at(shape, memory, req.at(*pairs[0]), kind=kind, memory_source=memory_source)
     chosen = tuple(k for k in ("weights", "kv") if getattr(req, k) is None)
-    plans: list[Plan] = []
+    # a 2-bit cache is the last resort: only when nothing else fits at all (not to keep the whole budget)
+    main = [p for p in pairs if p[1] != "int2" or req.kv == "int2"]
+    plans = _plans(shape, memory, req, main, kind, memory_source)
+    if not plans:
+        plans = _plans(shape, memory, req, [p for p in pairs if p not in main], kind, memory_source)
+        main = pairs
+    if not plans:
+        w, k = pairs[-1]
+        e = _estimate(shape, req.at(w, k), 1, min(_chunk_order(req)), _margin(req, kind))
+        raise UserError(f"{shape.name} does not fit in {memory / GIB:.1f} GiB even with {_label(w, k)}: the weights "
+                        f"alone take {e.weights / GIB:.1f} GiB (+ margin {e.margin / GIB:.1f} GiB); try a smaller model")
+    plan = plans[-1]
+    if not _keeps_target(plan):  # none keeps the target: the largest budget
+        plan = max(plans, key=lambda p: p.budget)
+    plan.chosen = chosen
+    plan.precision = _why(shape, plan, main, memory, kind)
+    return plan
+
+
+def _plans(shape: Shape, memory: int, req: Request, pairs: list[tuple[str, str]], kind: str,
+           memory_source: str) -> list[Plan]:
+    """Plans at `pairs` in order, up to the first that keeps the target (those that fit at all)."""
+    plans = []
     for pair in pairs:
         try:
             plans.append(_plan_at(shape, memory, req.at(*pair), kind=kind, memory_source=memory_source))
@@ -241,18 +263,7 @@ def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", mem
             continue
         if _keeps_target(plans[-1]):
             break
-    if not plans:
-        w, k = pairs[-1]
-        e = _estimate(shape, req.at(w, k), 1, min(_chunk_order(req)), _margin(req, kind))
-        raise UserError(f"{shape.name} does not fit in {memory / GIB:.1f} GiB even with {_label(w, k)}: the weights "
-                        f"alone take {e.weights / GIB:.1f} GiB (+ margin {e.margin / GIB:.1f} GiB); try a smaller model")
-    plan = plans[-1]
-    if not _keeps_target(plan):  # none keeps the target: the largest budget, a 2-bit cache only as the last resort
-        usable = [p for p in plans if p.request.kv != "int2"] or plans
-        plan = max(usable, key=lambda p: p.budget)
-    plan.chosen = chosen
-    plan.precision = _why(shape, plan, pairs, memory, kind)
-    return plan
+    return plans
 
 
 def _target(shape: Shape, req: Request) -> int:
