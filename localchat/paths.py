@@ -10,9 +10,13 @@ import platformdirs
 APP = "localchat"
 
 
-def _dir(env: str, default: str) -> Path:
+def _dir(env: str, default: str, private: bool = False) -> Path:
+    """The directory (made if missing); `private`: made 0700 (chats hold whole documents)."""
     path = Path(os.environ.get(env) or default).expanduser()
     try:
+        if private and not path.exists():
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o700)
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file in the way, no permission, a read-only disk
         from localchat.errors import UserError
@@ -29,7 +33,7 @@ def cache_dir() -> Path:
 
 def data_dir() -> Path:
     """Chats and saved compressed sessions."""
-    return _dir("LOCALCHAT_DATA_DIR", platformdirs.user_data_dir(APP))
+    return _dir("LOCALCHAT_DATA_DIR", platformdirs.user_data_dir(APP), private=True)
 
 
 def config_dir() -> Path:

@@ -212,3 +212,36 @@ def test_the_window_holds_the_chat_it_shows(tiny_engine, tiny_dir, tmp_path, mon
 
     run(scenario, make_app(tiny_engine, store_path=tmp_path / "chats.sqlite3"))
     assert ChatLock(shown["name"], tmp_path / "locks").try_acquire()  # the closed window let it go
+
+
+@pytest.mark.slow
+def test_soak_eight_writers_twenty_turns_each(tiny_dir, tmp_path):
+    """Eight writers, each asking 20 questions one after another on chat S (160 processes, eight at a time):
+    every turn saved exactly once, each writer's turns in its own order, every exit 0, and nothing written
+    outside the data directory."""
+    data, turns, writers = tmp_path / "data", 20, 8
+    env = {**os.environ, "LOCALCHAT_DATA_DIR": str(data), "OMP_NUM_THREADS": "1"}
+    codes: list[tuple[str, int, str]] = []
+
+    def writer(w: int) -> None:
+        for t in range(turns):
+            question = f"writer {w} turn {t}"
+            out = subprocess.run([sys.executable, "-m", "localchat", "--model", tiny_dir, *FLAGS, "ask", "--session",
+                                  "S", question], capture_output=True, text=True, env=env, timeout=900, check=False)
+            codes.append((question, out.returncode, out.stderr))
+
+    before = sorted(p.name for p in tmp_path.iterdir())
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = [c for c in codes if c[1] != 0 or "Traceback" in c[2]]
+    assert not bad, bad[:3]
+    questions = [content for role, content in _saved(data) if role == "user"]
+    assert sorted(questions) == sorted(q for q, _, _ in codes) and len(questions) == writers * turns
+    for w in range(writers):
+        mine = [q for q in questions if q.startswith(f"writer {w} ")]
+        assert mine == [f"writer {w} turn {t}" for t in range(turns)]
+    assert [role for role, _ in _saved(data)] == ["user", "assistant"] * writers * turns
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({*before, "data"})

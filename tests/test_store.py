@@ -300,3 +300,14 @@ def test_a_locked_database_is_reported_before_the_model_answers(tmp_path, monkey
     assert "cannot save chats" in err and "locked" in err and err.count("\n") == 1
     assert answered == []  # refused before the model was even loaded
     holder.db.execute("ROLLBACK")
+
+
+def test_a_new_data_directory_is_private(tmp_path, monkeypatch):
+    from localchat import paths
+
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path / "new" / "data"))
+    directory = paths.data_dir()
+    assert directory.is_dir() and directory.stat().st_mode & 0o777 == 0o700
+    (tmp_path / "mine").mkdir(mode=0o755)
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path / "mine"))  # one the user made keeps its mode
+    assert paths.data_dir().stat().st_mode & 0o777 == 0o755
