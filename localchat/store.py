@@ -170,12 +170,28 @@ class Store:
                 raise sqlite3.DatabaseError(f"table {table} lacks {', '.join(sorted(columns - have))}")
 
     def _migrate(self) -> None:
+        if self._version() == SCHEMA:
+            return
+        # Under the write lock, reading the version again: two processes creating one new database must not
+        # both run the steps (the second would find "table chats already exists").
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            for v in range(self._version() + 1, SCHEMA + 1):
+                for statement in MIGRATIONS[v].split(";"):
+                    if statement.strip():
+                        self.db.execute(statement)
+                self.db.execute(f"PRAGMA user_version = {v}")
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
+    def _version(self) -> int:
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA:
             raise UserError(f"{self.path} was written by a newer localchat (schema {version}, this one reads "
                             f"{SCHEMA}); upgrade localchat or point LOCALCHAT_DATA_DIR elsewhere")
-        for v in range(version + 1, SCHEMA + 1):  # each step in one transaction
-            self.db.executescript(f"BEGIN;\n{MIGRATIONS[v]}\nPRAGMA user_version = {v};\nCOMMIT;")
+        return version
 
     def close(self) -> None:
         self.db.close()

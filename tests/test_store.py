@@ -311,3 +311,23 @@ def test_a_new_data_directory_is_private(tmp_path, monkeypatch):
     (tmp_path / "mine").mkdir(mode=0o755)
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path / "mine"))  # one the user made keeps its mode
     assert paths.data_dir().stat().st_mode & 0o777 == 0o755
+
+
+def test_a_database_another_process_just_created_is_not_created_again(tmp_path, monkeypatch):
+    """Two processes open one new database at once: the second read the version (0) before the first created the
+    tables. It must read it again under the write lock and find the tables, not create them again (before:
+    "table chats already exists", refused as a damaged database; seen with two concurrent `ask --session`)."""
+    from localchat import store as store_mod
+
+    path = tmp_path / "chats.sqlite3"
+    store_mod.Store(path).close()  # the first process created it
+    real, calls = store_mod.Store._version, []
+
+    def stale_first(self):
+        calls.append(1)
+        return 0 if len(calls) == 1 else real(self)  # the version as it was read before the other's commit
+
+    monkeypatch.setattr(store_mod.Store, "_version", stale_first)
+    store = store_mod.Store(path)
+    assert len(calls) == 2 and store.db.execute("PRAGMA user_version").fetchone()[0] == store_mod.SCHEMA
+    store.close()
