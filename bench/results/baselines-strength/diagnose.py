@@ -21,6 +21,9 @@ from localchat.engine.events import Done, Notice, Token
 from localchat.engine.sampling import GenerationSettings
 
 
+SETTINGS: dict[str, str] = {}
+
+
 def held(cache, where: list[int]) -> tuple[float, float, float]:
     """(share of (layer, head) pairs holding every key token, holding at least one full copy of the key,
     mean share of key tokens held)."""
@@ -94,6 +97,8 @@ def run(engine, policy_name: str, example: int, n: int, budget: int, length: int
     cell = Cell("passkey", length, policy_name, budget, n, 0, None, None, chunk, "original", 16)
     use_policy(engine, cell)
     policy = engine.policy
+    for key, value in SETTINGS.items():  # --set: a policy field changed for a what-if run
+        setattr(policy, key, type(getattr(policy, key) or 0)(value))
     sample = sample_for(cell, engine.tokenizer, example)
     text = engine.render(prompt_messages(sample))
     ids = engine.encode(text)
@@ -151,7 +156,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--set", action="append", default=[], help="FIELD=VALUE on the policy (what-if runs)")
     args = ap.parse_args()
+    SETTINGS.update(kv.split("=", 1) for kv in args.set)
     torch.manual_seed(0)
     engine = load_engine(Cell("passkey", args.length, "full", None, args.n, 0, None, None, args.chunk, "original", 16))
     for name in args.policies.split(","):
