@@ -1,7 +1,8 @@
 """What-if: CORM's cap ranks by how recently a key was last found important (then the latest attention)."""
 import sys
+from pathlib import Path
 import torch
-sys.path.insert(0, "/work/h40b/bench/results/baselines-strength")
+sys.path.insert(0, str(Path(__file__).parent))
 from localchat.engine.policies.corm import CORM
 import diagnose
 
