@@ -3,9 +3,9 @@ within its budget.
 
 The budgets are where each method answers on this 135M model (checked by hand, seed 5): at b=512 with the
 needle mid-document only OmniKV and LOCRET do (see bench/results/policies-smollm2-cpu). SAGE-KV needs 3072
-(its last-token selection misses digits of the key below that), RoCo 2048. CORM evicts, chunk by chunk, the
-keys the recent queries ignore, so a mid-document needle is gone before the question arrives; it keeps one
-the recent queries still see (depth 0.95).
+(its last-token selection misses digits of the key below that), RoCo 2048. CORM's rule runs once the prompt
+is in (the last 256 prompt queries vote), but at 4K it wants most of the cache per head and the cap ranks by
+votes, which the filler wins; it keeps a needle the recent queries still see (depth 0.95).
 """
 
 from __future__ import annotations

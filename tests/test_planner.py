@@ -124,8 +124,8 @@ def test_plan_knows_which_policies_hold_the_whole_prompt(capsys):
 
     assert plan("--policy", "locret")["max_document"] is None  # bounded cache, compact positions
     window_doc = 131072 - 512
-    assert plan("--policy", "corm")["max_document"] == window_doc  # bounded, but original positions by default
-    for name in ("sagekv", "omnikv", "full"):  # the whole prompt stays: the memory bounds it below the window
+    assert plan("--policy", "streaming", "--positions", "original")["max_document"] == window_doc  # bounded
+    for name in ("sagekv", "corm", "omnikv", "full"):  # the whole prompt stays: the memory bounds it below the window
         data = plan("--policy", name)
         assert data["max_document"] == data["full_cache_tokens"] - 512 < window_doc
     assert main(["plan", "--model", LLAMA, "--policy", "sagekv", "--memory-gb", "24", "--device", "cuda"]) == 0

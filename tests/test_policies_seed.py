@@ -402,6 +402,22 @@ def test_corm_keeps_what_the_last_w_queries_found_important():
     policy.detach()
 
 
+def test_corm_reads_the_whole_prompt_before_its_rule_runs():
+    """Spec §2.5: the last w prompt queries vote once the prompt is in; a chunked read keeps what they want
+    (evicting chunk by chunk dropped keys minor to the earlier chunks' queries before the last ones came)."""
+    assert not POLICIES["corm"].bounded()  # reading peaks at the whole prompt, as SAGE-KV's does
+    model = _peaked(_model(), 16.0)
+    ids = _ids(48)
+    policy = make_policy("corm", budget=64, local=0, window=4, recent=4)
+    cache, _, _, _ = _prefill(model, policy, ids, chunk=8)
+    sets = _corm_reference(model, ids, 4, 4)
+    assert cache.get_seq_length() == max(len(s) for layer in sets for s in layer)
+    for i, layer_sets in enumerate(sets):
+        for h, want in enumerate(layer_sets):
+            assert want <= set(cache.layers[i].positions[h].tolist())
+    policy.detach()
+
+
 def test_corm_cap_binds_at_the_budget_and_says_so():
     model = _model()
     ids = _ids(32)

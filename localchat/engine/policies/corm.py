@@ -42,11 +42,13 @@ class CORM(Policy):
 
     Every forward, the last min(window, T) queries' fp32 softmax rows `[H_q, w, n]` (over the kept keys)
     are thresholded at 1/t (t = the query's true position + 1) and OR-ed over each KV head's query group;
-    the last `window` such rows per unit form the message matrix `[H_kv, ≤w, n]`. Once `window` rows exist,
-    after every prefill chunk and every decoded token, a KV head wants the units marked in any row plus its
-    `recent` newest slots; nothing else. The cache stays rectangular: every head keeps the largest wanted
-    count over all layers and heads, capped at `budget` (heads that want fewer keep their next-best keys
-    by votes, then by their latest attention). When the cap binds, the keys with the fewest votes go, and a
+    the last `window` such rows per unit form the message matrix `[H_kv, ≤w, n]`. The prompt is read whole
+    (no eviction while reading: the spec's §2.5 reading, so the last `window` prompt queries, the question
+    among them, vote); then once after the prompt and after every decoded token, a KV head wants the units
+    marked in any row plus its `recent` newest slots; nothing else. Reading peaks at the whole prompt.
+    The cache stays rectangular: every head keeps the largest wanted count over all layers and heads,
+    capped at `budget` (heads that want fewer keep their next-best keys by votes, then by their latest
+    attention). When the cap binds, the keys with the fewest votes go, and a
     notice says so after prefill. Positions stay absolute. Defaults: window w = 256 (the paper's "256+256"),
     recent None = min(256, budget // 2) (the paper's r = 256, at most half the cap), budget 1024 as the cap,
     local 96 (the engine's question tail).
@@ -55,6 +57,7 @@ class CORM(Policy):
 
     name = "corm"
     summary = "CORM: keep keys any of the last w queries found important (content-sized, capped by the budget)"
+    evict_per_chunk = False  # §2.5: the rule runs after the prompt; evicting chunk by chunk loses the needle
     evict_each_step = True
     default_positions = "original"
     window: int = 256
