@@ -86,6 +86,15 @@ class ChatInfo:
     updated: float
 
 
+def _number(value, kind):
+    """A number column as `kind`; 0 where a damaged row holds something else (the chat stays listed)."""
+    try:
+        number = kind(value)
+    except (TypeError, ValueError, OverflowError):
+        return kind(0)
+    return number if number == number and abs(number) < 2**62 else kind(0)  # not NaN, not absurd
+
+
 def _quantized_weights(engine) -> str | None:
     """The weights' quantization (int8/int4/nf4), or None: a float dtype is already in the fingerprint's `dtype`, so a
     chat saved before the plan named fp32 explicitly keeps its cache."""
@@ -219,7 +228,8 @@ class Store:
             "SELECT name, title, model, policy, (SELECT COUNT(*) FROM messages m WHERE m.chat_id = c.id "
             "AND m.role = 'user'), fed, kept_units, kept_bytes, updated FROM chats c ORDER BY updated DESC"
         ).fetchall()
-        return [ChatInfo(*row) for row in rows]
+        return [ChatInfo(*(str(v) for v in row[:4]), *(_number(v, int) for v in row[4:8]), _number(row[8], float))
+                for row in rows]
 
     def settings(self, name: str) -> dict:
         """The settings `name` was last answered with ({} for chats saved before schema 2)."""

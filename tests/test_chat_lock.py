@@ -108,9 +108,15 @@ def test_in_process_asks_release_the_lock_even_when_they_fail(tiny_dir, tmp_path
 # --- real concurrent processes --------------------------------------------------------------------------------
 
 
-def _writers(n: int, model: str, data: Path) -> list[dict]:
-    """Start `n` `ask --session S` processes at once; each one's question, first-stdout time, stderr, exit code."""
+def _writers(n: int, model: str, data: Path, hold: float = 6.0) -> list[dict]:
+    """Start `n` `ask --session S` processes at once; each one's question, first-stdout time, stderr, exit code.
+    The chat's lock is held (as another `ask` would) for the first `hold` seconds, so that the writers, whose
+    models load in a second or two, do meet at the lock however quickly each one answers."""
     env = {**os.environ, "LOCALCHAT_DATA_DIR": str(data), "OMP_NUM_THREADS": "1"}
+    (data / "locks").mkdir(parents=True, exist_ok=True)
+    first = ChatLock("S", data / "locks")
+    assert first.try_acquire()
+    threading.Timer(hold, first.release).start()
     runs = []
     for i in range(n):
         cmd = [sys.executable, "-m", "localchat", "--model", model, *FLAGS, "ask", "--session", "S", "--stats",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import localchat.kernels as kernels
-from localchat.engine.qcache import QUANT_KEYS, QuantizedKVLayer, group_size, quantize
+from localchat.engine.qcache import QuantizedKVLayer, group_size, quantize
 from localchat.kernels import evict, qattn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

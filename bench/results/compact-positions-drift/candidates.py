@@ -2,7 +2,7 @@
 chunk 64, 256 evictions, scores fixed at insertion): today (re-rotate the rounded key), A (keys as they arrived
 + insertion slot, rotated once per eviction), res (int8/6/4-bit rounding remainder). Prints error vs fp64
 and the one-rotation error. Needs nothing from localchat."""
-import torch, sys
+import torch
 torch.manual_seed(0)
 H, d, b, c, E = 3, 64, 256, 64, 256
 inv = 1.0 / (100000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))

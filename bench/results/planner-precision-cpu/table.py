@@ -1,6 +1,5 @@
 """Print the measured-vs-planned table of this folder's verify-*.json (plan --verify --json outputs)."""
 import json
-import sys
 from pathlib import Path
 
 here = Path(__file__).parent
