@@ -37,7 +37,7 @@ BLOCK_UNITS = 1024  # units dequantized at a time: the temporaries stay this sma
 
 def dequantize_into(quant, bits: int, group: int, out_k, out_v, inv_freq=None, block: int = BLOCK_UNITS) -> None:
     """Write the quantized part into `out_k`, `out_v` `[1, H, >= nq, d]` (any float dtype), `block` units at a
-    time: keys rotated to their slots when `inv_freq` is given. The math is fp32, as in dequantized_keys_values."""
+    time: keys rotated to their slots when `inv_freq` is given. The math is fp32, stored at the outputs' dtype."""
     nq = quant["qk"].shape[2]
     for a in range(0, nq, block):
         b = min(nq, a + block)
@@ -52,11 +52,11 @@ def dequantize_into(quant, bits: int, group: int, out_k, out_v, inv_freq=None, b
 
 def dequantized_keys_values(quant, bits: int, group: int, inv_freq=None, value_dtype=torch.float32):
     """fp32 keys (rotated to their slots when `inv_freq` is given) and `value_dtype` values `[1, H, nq, d]`."""
-    keys = dequantize(quant["qk"], quant["ks"], quant["kz"], bits, group)
-    if inv_freq is not None:
-        cos, sin = rope_table(torch.arange(keys.shape[-2], device=keys.device), inv_freq)
-        keys = rotate(keys, cos, sin)
-    return keys, dequantize(quant["qv"], quant["vs"], quant["vz"], bits, group, value_dtype)
+    _, h, nq, packed = quant["qk"].shape
+    keys = torch.empty((1, h, nq, packed * 8 // bits), dtype=torch.float32, device=quant["qk"].device)
+    values = torch.empty_like(keys, dtype=value_dtype)
+    dequantize_into(quant, bits, group, keys, values, inv_freq, block=max(nq, 1))
+    return keys, values
 
 
 def decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq=None):

@@ -18,7 +18,7 @@ from localchat.errors import UserError
 from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, detect, quantized
 from localchat.planning.planner import Plan, make_plan, verify
-from localchat.planning.resolve import Target, fixed_fields, model_facts, plan_request
+from localchat.planning.resolve import Target, fixed_fields, model_facts, plan_request, settled_params
 
 
 def add_parsers(sub, model_flags) -> None:
@@ -296,12 +296,8 @@ def run_tune(args) -> int:
     table.update({"policy": engine.policy.name, "positions": engine.positions, "budget": after.budget,
                   "chunk": after.chunk, "local": engine.policy.local, "weights": after.weights,
                   "kv": after.kv, "margin_mib": after.estimate.margin // MIB})
-    from localchat.engine.policies import policy_class
-
-    params = dict(spec.policy.params)
-    given = {k for k in params if k in dict(spec.asked)}
-    params = policy_class(spec.policy.name).settle({**params, "budget": after.budget}, given)
-    table.update({k: v for k, v in params.items() if k in profiles.SETTINGS and k != "budget"})  # LOCRET's n_s
+    params = settled_params(spec, after.budget)
+    table.update({k: v for k, v in params.items() if k in profiles.SETTINGS})  # LOCRET's n_s
     table["measured"] = measured
     name = args.name or f"tuned-{_slug(device.name if device.kind == 'cuda' else 'cpu')}"
     path = profiles.save_profile(name, table, make_default=True)

@@ -245,11 +245,15 @@ def kv_unit_bytes(shape: Shape, kv: str = "bf16", compact: bool = False) -> int:
 
         per_head = 2 * d * dtype_bits(kv) // 8 + 4 * (d // group_size(d)) * 2 + 4 + 8
     else:
-        from localchat.engine.cache import REST_BYTES
-
-        rest = d * REST_BYTES if compact and kv in ("bf16", "fp16") else 0
-        per_head = 2 * d * elem_bytes(kv) + 4 + 8 + rest
+        per_head = 2 * d * elem_bytes(kv) + 4 + 8 + _rest_bytes(shape, kv, compact)
     return int(round(shape.layers * shape.kv_heads * per_head))
+
+
+def _rest_bytes(shape: Shape, kv: str, compact: bool) -> int:
+    """The int8 key remainder per unit and KV head of a plain cache in compact bf16/fp16 (engine/cache.py)."""
+    from localchat.engine.cache import REST_BYTES
+
+    return shape.head_dim * REST_BYTES if compact and kv in ("bf16", "fp16") else 0
 
 
 def kv_tail_bytes(shape: Shape, kv: str, act: str, chunk: int) -> int:
@@ -268,7 +272,7 @@ def evict_bytes(shape: Shape, kv: str, act: str, budget: int, *, per_head: bool,
     if quantized(kv):
         return budget * (kv_unit_bytes(shape, kv) // shape.layers)
     d, heads = shape.head_dim, 1 if per_head else shape.kv_heads
-    kept = 2 * d * elem_bytes(kv) + (d if compact and kv in ("bf16", "fp16") else 0)
+    kept = 2 * d * elem_bytes(kv) + _rest_bytes(shape, kv, compact)
     rotation = 6 * d * 4 if compact and per_head else 0  # fp32 key, cos/sin halves, rotated halves (kernels/rope.py)
     return int(budget * heads * (kept + rotation))
 

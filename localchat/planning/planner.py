@@ -267,6 +267,7 @@ def _plans(shape: Shape, memory: int, req: Request, pairs: list[tuple[str, str]]
 
 
 def _target(shape: Shape, req: Request) -> int:
+    """The budget a plan aims for: the fixed one, else the card's (or DEFAULT_TARGET), inside the window."""
     target = req.budget or req.target or DEFAULT_TARGET
     if req.compact and shape.window:
         target = min(target, shape.window - _positions(req, min(_chunk_order(req))) - 1)
@@ -326,9 +327,7 @@ def _plan_at(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memo
                             + (f"a budget up to {best:,} would fit" if best else "nothing fits: the weights alone "
                                f"take {_estimate(shape, req, 0, smallest, margin).weights / GIB:.1f} GiB"))
     else:
-        target = req.target or DEFAULT_TARGET
-        if req.compact and shape.window:
-            target = min(target, shape.window - _positions(req, smallest) - 1)
+        target = _target(shape, req)
         budget = largest_budget(target)
         if budget < 1:
             e = _estimate(shape, req, 0, smallest, margin)

@@ -262,6 +262,15 @@ def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set
     )
 
 
+def settled_params(spec: RunSpec, budget: int) -> dict[str, Any]:
+    """The policy's own settings under `budget`: what the user did not give settles by the policy's rule (LOCRET's
+    n_s drops to budget // 4 when it would not fit)."""
+    params = dict(spec.policy.params)
+    given = {k for k in params if k in dict(spec.asked)}
+    settled = policy_class(spec.policy.name).settle({**params, "budget": budget}, given)
+    return {k: v for k, v in settled.items() if k != "budget"}
+
+
 def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
     """`spec` with the plan's budget and chunk where they were not fixed by the user (LOCRET's n_s follows its rule).
     A model card's value is only ever lowered, and then `say` tells why."""
@@ -287,9 +296,7 @@ def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
     if "budget" not in fixed and cls.uses_budget() and plan.budget != p.budget:
         sources["budget"] = (f"plan: lowered from the model card's {p.budget:,} to fit {fits}"
                              if _from_card(spec, "budget") else f"plan: the largest that fits {fits}")
-        params = dict(p.params)
-        given = {k for k in params if k in dict(spec.asked)}
-        params = {k: v for k, v in cls.settle({**params, "budget": plan.budget}, given).items() if k != "budget"}
+        params = settled_params(spec, plan.budget)
         p = replace(p, budget=plan.budget, params=tuple(params.items()))
     return replace(spec, policy=p, chunk=chunk, sources=sources, plan=plan, **precision)
 
