@@ -108,8 +108,11 @@ def _run(trials: int, seed: int, tmp_path: Path, tiny_tok) -> None:
                 marks.append(line.split()[1])
                 if len(marks) - 1 == target and marks[-1] != "saved":
                     time.sleep(delay)
-                    os.kill(writer, signal.SIGKILL)
-                    killed = marks[-1]
+                    try:
+                        os.kill(writer, signal.SIGKILL)
+                        killed = marks[-1]
+                    except ProcessLookupError:  # the save ended (and was reaped) within the delay: no kill
+                        pass
             while line.strip() != "reaped":
                 assert line, where
                 line = driver.stdout.readline()

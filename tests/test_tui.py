@@ -326,6 +326,23 @@ def test_model_load_failure_keeps_the_app_alive():
     run(scenario, make_app(None, loader=broken))
 
 
+def test_the_loaded_heap_is_left_out_of_collections_while_chatting(tiny_engine):
+    """Once the model has loaded, the objects alive then are frozen out of the garbage collector (a full collection
+    over torch and the model holds the GIL about 0.3 s: a stall of the window); leaving the app unfreezes them."""
+    import gc
+
+    gc.unfreeze()
+    loaded = []
+
+    async def scenario(app, pilot):
+        await settle(pilot)
+        loaded.append(gc.get_freeze_count())
+        assert "tiny" in notes(app)[-1]  # the welcome: the engine is in use
+
+    run(scenario, make_app(None, loader=lambda: tiny_engine))
+    assert loaded[0] > 10_000 and gc.get_freeze_count() == 0
+
+
 def test_engine_errors_are_shown_and_the_question_restored(tiny_engine):
     tiny_engine.window = 64  # full attention on a 64-token window: a longer prompt is refused
 

@@ -10,7 +10,7 @@ from textual.app import App, SystemCommand
 from localchat.documents import DEFAULT_MAX_BYTES
 from localchat.config import RunSpec
 from localchat.engine.sampling import GenerationSettings
-from localchat.tui import commands, keys
+from localchat.tui import commands, heap, keys
 from localchat.tui.widgets.status import device_memory
 
 
@@ -40,6 +40,7 @@ class LocalChatApp(App):
             self.key_problems = []
         self.keymap_overrides = keymap
         if engine is not None:
+            heap.freeze()
             self.use_engine(engine)
 
     def on_mount(self) -> None:
@@ -71,6 +72,7 @@ class LocalChatApp(App):
 
     def on_unmount(self) -> None:
         self.hold_chat(None)
+        heap.unfreeze()
 
     def store(self):
         from localchat.store import Store

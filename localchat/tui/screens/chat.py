@@ -18,7 +18,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from localchat.engine.events import Done, Error, Notice, Progress, Token
-from localchat.tui import commands, keys
+from localchat.tui import commands, heap, keys
 from localchat.tui.attachments import Attachments
 from localchat.tui.events import EngineEvent, EngineLoaded, TurnEnded
 from localchat.tui.handlers import CommandHandlers
@@ -135,6 +135,7 @@ class ChatScreen(CommandHandlers, Attachments, SavedChats, Screen):
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             self.post_message(EngineLoaded(error=first))
             return
+        heap.freeze()  # here, while "loading the model…" shows, not during a chat
         self.post_message(EngineLoaded(engine))
 
     def on_engine_loaded(self, msg: EngineLoaded) -> None:
