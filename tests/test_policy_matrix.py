@@ -10,9 +10,6 @@ follow-up reads only its own tokens.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,13 +19,8 @@ from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.sampling import GenerationSettings
 from localchat.session import Session
-from tiny import tiny_tokenizer
+from tiny import ARCHITECTURES, tiny_architecture, tiny_tokenizer
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
-ARCHITECTURES = {  # one row per architecture: a real config file, or the model_type of transformers' own config
-    "llama": "llama-3.1-8b-instruct.json", "qwen2": "qwen2.5-7b-instruct.json", "phi3": "phi-3-mini-128k-instruct.json",
-    "mistral": {"model_type": "mistral", "sliding_window": None}, "qwen3": {"model_type": "qwen3"},
-}
 BUDGET, LOCAL, CHUNK = 96, 16, 128
 
 
@@ -39,23 +31,7 @@ def tok():
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def model(request, tok):
-    """A two-layer random model of the architecture's real config (its own attention layout and RoPE)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    row = ARCHITECTURES[request.param]
-    cfg = dict(row) if isinstance(row, dict) else json.loads((CONFIGS / row).read_text())
-    cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, vocab_size=len(tok), max_position_embeddings=4096,
-               tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg.pop("rope_scaling", None)  # the long-context scalings need the real dimensions; plain RoPE here
-    cfg.pop("original_max_position_embeddings", None)
-    cfg.pop("auto_map", None)
-    config = AutoConfig.for_model(**cfg)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(config).float().eval()
-    m.requires_grad_(False)
-    return m
+    return tiny_architecture(request.param, len(tok))
 
 
 def build(name: str, model):

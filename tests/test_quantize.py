@@ -34,8 +34,9 @@ def test_quantized_weights_load_smaller_and_answer_like_fp32(tiny_dir, weights, 
     full = loading.load(str(tiny_dir), weights="fp32")
     quant = loading.load(str(tiny_dir), weights=weights)
     linear = [m for n, m in quant.model.named_modules() if n.endswith("q_proj")][0]
-    assert type(linear).__name__ == "QLinear"
-    assert type(quant.model.lm_head).__name__ == "Linear"  # lm_head stays in full precision
+    assert type(linear).__name__ == "PackedLinear" and linear.bits == (8 if weights == "int8" else 4)
+    assert type(quant.model.lm_head).__name__ == "PackedLinear" and quant.model.lm_head.bits == 8  # CPU: int8 head
+    assert quant.model.model.embed_tokens.weight.dtype == torch.float32  # the table for the lookups stays
     lin_full = sum(p.numel() * 4 for n, p in full.model.named_parameters() if "layers." in n and "proj" in n)
     lin_quant = weight_bytes(quant.model) - (weight_bytes(full.model) - lin_full)
     assert lin_quant < ratio * lin_full  # packed data + scales of the linear layers
@@ -96,7 +97,7 @@ def test_kv_and_weights_follow_cli_over_env_over_profile(tiny_dir, monkeypatch):
     monkeypatch.setenv("LOCALCHAT_WEIGHTS", "int8")
     args = build_parser().parse_args(["--model", str(tiny_dir), "--policy", "full", "--profile", "none"])
     engine = load_engine(args)
-    assert engine.kv == "int2" and type(engine.model.model.layers[0].mlp.up_proj).__name__ == "QLinear"
+    assert engine.kv == "int2" and type(engine.model.model.layers[0].mlp.up_proj).__name__ == "PackedLinear"
     args = build_parser().parse_args(["--model", str(tiny_dir), "--policy", "full", "--kv", "none",
                                       "--weights", "fp32", "--profile", "none"])
     engine = load_engine(args)
@@ -113,6 +114,6 @@ def test_load_dtype_follows_the_choice_and_int8_on_cuda_loads_at_fp16():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert load_dtype("bf16", torch.float32, cpu) == torch.bfloat16
     assert load_dtype(None, torch.bfloat16, cuda) == torch.bfloat16
-    assert load_dtype("int8", torch.float32, cpu) == torch.float32  # quanto int8 keeps the CPU's fp32 activations
+    assert load_dtype("int8", torch.float32, cpu) == torch.float32  # packed int8 keeps the CPU's fp32 activations
     assert load_dtype("int8", torch.bfloat16, cuda) == torch.float16  # bitsandbytes int8 computes in fp16
     assert load_dtype("nf4", torch.bfloat16, cuda) == torch.bfloat16  # nf4 computes in bf16 (bnb_config)

@@ -50,3 +50,32 @@ def save_tiny(directory: Path, **kw) -> Path:
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
+
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+ARCHITECTURES = {  # one row per architecture: a real config file, or the model_type of transformers' own config
+    "llama": "llama-3.1-8b-instruct.json", "qwen2": "qwen2.5-7b-instruct.json", "phi3": "phi-3-mini-128k-instruct.json",
+    "mistral": {"model_type": "mistral", "sliding_window": None}, "qwen3": {"model_type": "qwen3"},
+}
+
+
+def tiny_architecture(name: str, vocab_size: int):
+    """A two-layer random model of an architecture's real config (its own attention layout and RoPE)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    row = ARCHITECTURES[name]
+    cfg = dict(row) if isinstance(row, dict) else json.loads((CONFIGS / row).read_text())
+    cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=vocab_size, max_position_embeddings=4096,
+               tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.pop("rope_scaling", None)  # the long-context scalings need the real dimensions; plain RoPE here
+    cfg.pop("original_max_position_embeddings", None)
+    cfg.pop("auto_map", None)
+    config = AutoConfig.for_model(**cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(config).float().eval()
+    m.requires_grad_(False)
+    return m

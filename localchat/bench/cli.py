@@ -18,6 +18,7 @@ USAGE = """examples:
       -n 5 --out DIR --heads random
   localchat bench report DIR
   localchat bench perf --out DIR --heads random
+  localchat bench decode --out DIR --weights fp32,int8,int4 --repeat 3
   localchat bench kernels --out DIR
   localchat bench targets DIR [--fill DIR] [--out FILE.md]
   localchat bench cross-check DIR_A DIR_B [--out FILE.md]
@@ -68,7 +69,7 @@ def add_parser(subparsers) -> None:
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
     sub = bench.add_subparsers(dest="bench_command",
-                                metavar="{report,perf,kernels,targets,cross-check,side-by-side,plot-training,random-model}")
+                                metavar="{report,perf,decode,kernels,targets,cross-check,side-by-side,plot-training,random-model}")
     report = sub.add_parser("report", help="DIR/results.jsonl -> DIR/report.md and PNG plots")
     report.add_argument("dir", help="a bench --out directory")
     perf = sub.add_parser("perf", help="LOCRET vs full speed side by side; time per token vs length")
@@ -81,6 +82,15 @@ def add_parser(subparsers) -> None:
     perf.add_argument("--repeat", type=int, default=1,
                       help="measure every row this many times, interleaved; report the medians (default 1)")
     _engine_flags(perf)
+    dec = sub.add_parser("decode", help="decode speed by weight precision (fp32, int8, int4), one interleaved run")
+    dec.add_argument("--out", help="directory for decode.json and decode.md")
+    dec.add_argument("--weights", dest="decode_weights", default="fp32,int8,int4",
+                     help="weight precisions, comma-separated (default fp32,int8,int4)")
+    dec.add_argument("--length", default="7600", help="document tokens before the answer (default 7600)")
+    dec.add_argument("--budget", type=int, default=None, help="LOCRET budget (default: the model card's)")
+    dec.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per run (default 64)")
+    dec.add_argument("--repeat", type=int, default=3, help="interleaved runs; the tables give medians (default 3)")
+    _engine_flags(dec)
     kern = sub.add_parser("kernels", help="each Triton kernel vs its torch twin; int4-KV decode end to end")
     kern.add_argument("--out", help="directory for kernels.json and kernels.md")
     kern.add_argument("--length", default="8192", help="document tokens of the end-to-end run (default 8192)")
@@ -198,6 +208,8 @@ def run(args) -> int:
         return _run_perf(args)
     if args.bench_command == "kernels":
         return _run_kernels(args)
+    if args.bench_command == "decode":
+        return _run_decode(args)
     if args.bench_command in EVIDENCE:  # the grid's evidence tables and the heads' training curve
         from importlib import import_module
 
@@ -240,6 +252,23 @@ def _run_kernels(args) -> int:
                           command=shlex.join(["localchat", "bench", "kernels", *sys.argv[sys.argv.index("kernels") + 1:]])
                           if "kernels" in sys.argv else "localchat bench kernels")
     print(run_kernels(config, say=_say).read_text(encoding="utf-8"))
+    return 0
+
+
+def _run_decode(args) -> int:
+    from localchat.bench.decode import DecodeConfig
+    from localchat.bench.decode import run as run_decode
+
+    if not args.out:
+        raise UserError("bench decode needs --out DIR (where decode.json and decode.md go)")
+    f = flags(args)
+    config = DecodeConfig(out=Path(args.out), model=f["model"], weights=parse_list(args.decode_weights, "weights"),
+                          length=parse_length(args.length), budget=args.budget, chunk=f["chunk"],
+                          heads=f["heads"] or "random", decode_tokens=args.decode_tokens, repeat=args.repeat,
+                          seed=f["seed"] or 0,
+                          command=shlex.join(["localchat", "bench", *sys.argv[sys.argv.index("decode"):]])
+                          if "decode" in sys.argv else "localchat bench decode")
+    print(run_decode(config, say=_say).read_text(encoding="utf-8"))
     return 0
 
 

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 
 import torch
 
-from localchat.engine import loading
+from localchat.engine import decode_step, loading
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard
+from localchat.engine.decode_step import DecodeStep
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
 from localchat.engine.policies import PLAIN_POLICY, Policy, make_policy
@@ -37,6 +38,7 @@ class Engine:
         self.weights: str | None = None  # the --weights the model was loaded with (None: as stored)
         self.kv = kv or "none"  # retained units stored quantized: int8 / int4 / int2 (engine/qcache.py)
         self.fused_decode = True  # decode on a quantized cache reads it packed (engine/qattention.py)
+        self.lean_decode = True  # decode Llama-layout models without transformers' forward (engine/decode_step.py)
         self.admit = None  # (engine, prompt units, max new, held units) -> None, raising UserError: a memory check
         self.spec = None  # the RunSpec it was loaded from (localchat/config.py), when it was
         if self.kv not in KV_CHOICES:
@@ -202,6 +204,8 @@ class Engine:
             t1 = time.perf_counter()
             if self.fused_decode:  # a quantized cache is read packed while decoding
                 fused = FusedDecode(self.model, cache)
+            lean = DecodeStep(self.model, cache) if self.lean_decode and decode_step.supported(self.model, cache) \
+                else None
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
                 max_new = min(max_new, self.window - cache.next_position(pos))
@@ -219,7 +223,7 @@ class Engine:
                 if new == max_new and not keep_last:
                     break
                 step = torch.tensor([[tok]], device=self.device)
-                logits = forward(self.model, cache, step, pos)
+                logits = lean.step(step, pos) if lean is not None else forward(self.model, cache, step, pos)
                 p.observe(cache, 1, step)  # answer tokens get scores too (multi-turn keeps them)
                 evict_while_decoding(cache, p)
                 pos += 1

@@ -2,12 +2,15 @@
 
   fp32 / bf16 / fp16  the model loads at that dtype.
   nf4                 CUDA only: bitsandbytes NF4 with double quantization and bf16 compute (at load time).
-  int8                CUDA: bitsandbytes LLM.int8(); CPU: optimum-quanto int8 (per output channel).
-  int4                optimum-quanto int4 (quanto's default groups of 128 weights, scale + shift), CPU or CUDA.
+  int8                CUDA: bitsandbytes LLM.int8(); CPU: torch's packed int8 kernels (kernels/packed.py, per row).
+  int4                CPU: torch's packed int4 kernels (kernels/packed.py, groups of 32 with scale and zero);
+                      CUDA: optimum-quanto int4 (groups of 128 weights, scale + shift).
 
-Only the decoder's linear layers are quantized: embeddings, lm_head (often tied to the embeddings) and the
-norms stay at the activation dtype, and the retaining heads are separate modules left untouched. A GGUF source
-is dequantized by transformers at conversion and re-quantized here by our choice, not kept in its own format.
+The decoder's linear layers are quantized; embeddings and norms stay at the activation dtype, and the retaining
+heads are separate modules left untouched. On the CPU the output layer gets an int8 copy too (it is a fifth of
+SmolLM2's weights and the largest single read of a decode step; tied to the embeddings, the fp32 table stays for
+the lookups); on CUDA it stays in full precision. A GGUF source is dequantized by transformers at conversion and
+re-quantized here by our choice, not kept in its own format.
 """
 
 from __future__ import annotations
@@ -54,13 +57,21 @@ def bnb_config(weights: str | None, device: torch.device):
 
 
 def quantize_after_load(model, weights: str | None, device: torch.device) -> None:
-    """optimum-quanto int8 (CPU) / int4 (any device) on a loaded model, in place; frozen (packed) weights."""
+    """int8 / int4 on a loaded model, in place: torch's packed kernels on the CPU (with an int8 output layer),
+    optimum-quanto int4 (frozen, packed) on CUDA."""
     if weights not in ("int8", "int4") or (weights == "int8" and device.type == "cuda"):
         return
-    from optimum.quanto import freeze, qint4, qint8, quantize
+    if device.type == "cpu":
+        from localchat.kernels.packed import PackedLinear, pack_model
+
+        with torch.inference_mode():
+            pack_model(model.model, 8 if weights == "int8" else 4)
+            model.lm_head = PackedLinear(model.lm_head, 8)
+        return
+    from optimum.quanto import freeze, qint4, quantize
 
     with torch.inference_mode():  # frozen here, quanto's packed int4 tensors also work under inference_mode
-        quantize(model, weights=qint4 if weights == "int4" else qint8, exclude=KEEP)
+        quantize(model, weights=qint4, exclude=KEEP)
         freeze(model)
 
 

@@ -226,13 +226,19 @@ def read_config(path: str | Path) -> dict:
 # --- the memory model --------------------------------------------------------------------------------
 
 
-def weight_bytes(shape: Shape, weights: str = "bf16") -> int:
-    """Weights at `weights`; quantized dtypes apply to the linear layers only (embeddings, lm_head and
-    norms stay at 16 bits, as bitsandbytes and quanto leave them)."""
+def weight_bytes(shape: Shape, weights: str = "bf16", act: str = "bf16", kind: str = "cuda") -> int:
+    """Weights at `weights`; quantized dtypes apply to the linear layers only. On CUDA (bitsandbytes, quanto) the
+    embeddings, lm_head and norms stay at 16 bits. On a CPU (kernels/packed.py) they stay at `act`, int4 codes
+    carry a bf16 scale and zero per 32 weights, int8 a bf16 scale per row, and the output layer gets an int8
+    copy (a tied one too: the embeddings keep their table for the lookups)."""
     p = shape.params()
-    if quantized(weights):
+    if not quantized(weights):
+        return int(shape.total_params() * elem_bytes(weights))
+    if kind != "cpu":
         return int(p["linear"] * elem_bytes(weights)) + 2 * (p["embed"] + p["lm_head"] + p["other"])
-    return int(shape.total_params() * elem_bytes(weights))
+    per_weight = 0.5 + 4 / 32 if weights == "int4" else 1.0
+    head = shape.vocab * (shape.hidden + 2)
+    return int(p["linear"] * per_weight + head + elem_bytes(act) * (p["embed"] + p["lm_head"] + p["other"]))
 
 
 def kv_unit_bytes(shape: Shape, kv: str = "bf16", compact: bool = False) -> int:
@@ -367,7 +373,7 @@ def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: 
     `policy`: the Policy, whose scoring may need memory of its own (its `score_bytes`), or None."""
     units = kv_units(budget, chunk, local, max_new)
     return Estimate(
-        weights=weights_exact if weights_exact is not None else weight_bytes(shape, weights),
+        weights=weights_exact if weights_exact is not None else weight_bytes(shape, weights, act, kind),
         kv=units * kv_unit_bytes(shape, kv, compact) + kv_tail_bytes(shape, kv, act, chunk),
         kv_copy=kv_copy_bytes(shape, kv, act, budget + local + max(chunk, max_new)),
         evict=evict_bytes(shape, kv, act, budget + local, per_head=kind == "cpu", compact=compact),

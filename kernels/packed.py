@@ -1,0 +1,137 @@
+"""Weight-only int8 / int4 linear layers for the CPU, on torch's packed matmul kernels.
+
+A decoded token multiplies one row by every weight, so reading the weights is the cost of a step; at 8 or 4
+bits a step reads 4x or 8x fewer bytes than fp32. Two kernels of torch's CPU backend do the work, on bf16 inputs
+(their AVX-512 paths; fp32 inputs take a generic path about 10x slower):
+
+  int8  aten._weight_int8pack_mm            codes [N, K] int8, one bf16 scale per output row (symmetric)
+  int4  aten._weight_int4pack_mm_for_cpu    4-bit codes in torch's packed layout, and per group of GROUP inputs
+                                            a bf16 scale and zero: w = (code - 8) * scale + zero
+
+Those are matrix-vector kernels: their time grows with the rows, and at a prefill chunk of 512 rows they are no
+faster than fp32. A step of more than VECTOR_ROWS[bits] rows dequantizes the weight to bf16 and runs one bf16
+matmul instead (for 512 x 576 x 1536 on one core: fp32 10.2 ms, int8 5.1 ms, int4 7.3 ms, of which dequantizing
+0.3 / 1.4 ms); the thresholds are where the two ways cost the same on this 2-core EPYC (bench/results/cpu-decode/). Outputs are cast back to the input's dtype, so the rest of the
+model keeps its own (fp32 on a CPU).
+
+torch's int4 layout (torch 2.13, AVX-512): rows in blocks of 64; byte j of input k of a block holds row j in its
+low nibble and row j + 32 in its high one. `unpack_int4` reads it back; `layout_ok` checks that once per
+process against torch's own packing, and int4 becomes int8 if a torch release changed it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+GROUP = 32  # int4: inputs per scale and zero
+BLOCK = 64  # int4: torch packs rows in blocks of 64
+VECTOR_ROWS = {8: 24, 4: 96}  # steps of at most this many rows use the packed kernels; more, a bf16 matmul
+
+
+class PackedLinear(nn.Module):
+    """A linear layer with int8 or int4 weights; `forward` keeps the input's dtype."""
+
+    def __init__(self, linear: nn.Linear, bits: int):
+        super().__init__()
+        w = linear.weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        if bits == 4 and not fits_int4(w.shape[1]):
+            bits = 8
+        self.bits = bits
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        if bits == 8:
+            codes, scales = quantize_int8(w)
+            self.register_buffer("codes", codes)
+            self.register_buffer("scales", scales)
+        else:
+            rows = -(-w.shape[0] // BLOCK) * BLOCK  # padded to whole blocks with zero rows
+            w = torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])]) if rows > w.shape[0] else w
+            codes, scale_zero = quantize_int4(w)
+            self.register_buffer("codes", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            self.register_buffer("scales", scale_zero)  # [K / GROUP, rows, 2] bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if flat.shape[0] <= VECTOR_ROWS[self.bits]:
+            if self.bits == 8:
+                y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.codes, GROUP, self.scales)
+        else:
+            y = nn.functional.linear(flat, self.dequantized())
+        y = y[:, : self.out_features].to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as bf16 `[rows, K]` (int4: rows padded to whole blocks)."""
+        if self.bits == 8:
+            return self.codes.to(torch.bfloat16) * self.scales[:, None]
+        codes = unpack_int4(self.codes).to(torch.bfloat16)  # [rows, K]
+        rows, k = codes.shape
+        scale, zero = self.scales[..., 0].t(), self.scales[..., 1].t()  # [rows, K / GROUP]
+        grouped = codes.reshape(rows, k // GROUP, GROUP)
+        return ((grouped - 8) * scale[..., None] + zero[..., None]).reshape(rows, k)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+def fits_int4(in_features: int) -> bool:
+    return in_features % GROUP == 0 and layout_ok()
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output row: codes [N, K] int8 and bf16 scales [N] (computed from the rounded scale)."""
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)
+    codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric per group of GROUP inputs: codes [N, K] int32 in 0..15, and [K / GROUP, N, 2] bf16 scale and
+    zero in the kernel's form (w = (code - 8) * scale + zero). The codes are computed from the rounded values."""
+    n, k = w.shape
+    g = w.reshape(n, k // GROUP, GROUP)
+    low, high = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12).to(torch.bfloat16)
+    zero = (low + 8 * scale.float()).to(torch.bfloat16)
+    base = zero.float() - 8 * scale.float()  # the value of code 0
+    codes = torch.round((g - base[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.reshape(n, k), torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """torch's packed int4 `[rows, K / 2]` uint8 back to codes `[rows, K]` uint8."""
+    rows, half = packed.shape
+    blocks = packed.reshape(rows // BLOCK, 2 * half, BLOCK // 2)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [blocks, K, 64]
+    return both.permute(0, 2, 1).reshape(rows, 2 * half)
+
+
+@functools.cache
+def layout_ok() -> bool:
+    """Whether this torch packs int4 as `unpack_int4` reads it (and has the CPU kernels at all)."""
+    try:
+        codes = torch.randint(0, 16, (2 * BLOCK, 2 * GROUP), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return packed.shape == (2 * BLOCK, GROUP) and torch.equal(unpack_int4(packed).to(torch.int32), codes)
+
+
+def pack_model(model: nn.Module, bits: int, skip: tuple[str, ...] = ()) -> int:
+    """Replace every nn.Linear of `model` (but those named in `skip`) by a PackedLinear, in place; the count."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child_name not in skip:
+                setattr(module, child_name, PackedLinear(child, bits))
+                count += 1
+    return count

@@ -1,0 +1,127 @@
+"""`localchat bench decode`: decode speed by weight precision, in one interleaved run on this machine.
+
+For each `--weights` (fp32, int8, int4 by default) one engine is loaded, and every repeat runs, weights after
+weights: LOCRET (compact positions, `budget`) answering after a `length`-token document (prefill and decode
+tokens/s), and the floor, full attention after a 64-token prompt (a cache that is almost empty: what the weights
+alone cost a step). Each number is the median over the repeats; the single runs are kept in decode.json.
+Speed does not depend on the heads' weights, only on their size: `--heads random` is the default.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from localchat.bench import machine
+from localchat.bench.cell import Cell, load_engine, use_policy
+from localchat.bench.perf import FLOOR_PROMPT, _prompt, _row, _run, median_row
+from localchat.bench.runner import default_chunk
+from localchat.errors import UserError
+
+WEIGHTS = ("fp32", "int8", "int4")
+
+
+@dataclass
+class DecodeConfig:
+    out: Path
+    model: str | None = None
+    weights: list[str] = field(default_factory=lambda: list(WEIGHTS))
+    length: int = 7600
+    budget: int | None = None
+    chunk: int | None = None
+    heads: str = "random"
+    decode_tokens: int = 64
+    repeat: int = 3
+    seed: int = 0
+    command: str = ""
+
+
+def _cell(config: DecodeConfig, weights: str, policy: str, budget: int | None, positions: str) -> Cell:
+    return Cell(task="niah_single", length=config.length, policy=policy, budget=budget, n=1, seed=config.seed,
+                model_spec=config.model, heads=config.heads if policy == "locret" else None,
+                chunk=config.chunk or default_chunk(config.model), positions=positions,
+                max_new_tokens=config.decode_tokens, weights=None if weights == "fp32" else weights)
+
+
+def measure(config: DecodeConfig, say=lambda s: None) -> dict:
+    from localchat.engine.quantize import WEIGHTS as KNOWN, check, weight_bytes
+
+    if config.repeat < 1 or config.decode_tokens < 2:
+        raise UserError("--repeat must be at least 1 and --decode-tokens at least 2")
+    for w in config.weights:
+        check(w, torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda"))
+        if w not in KNOWN:
+            raise UserError(f"unknown --weights {w!r}")
+    engines, budgets = {}, {}
+    for w in config.weights:
+        say(f"decode: loading {w}")
+        engines[w] = load_engine(_cell(config, w, "full", None, "original"))
+    first = engines[config.weights[0]]
+    ids = _prompt(first, config.length, config.seed)
+    for w, engine in engines.items():
+        budgets[w] = config.budget or (engine.card.locret.get("budget") if engine.card else None) or 1024
+    runs: dict[str, list[list[dict]]] = {w: [] for w in config.weights}
+    for rep in range(config.repeat):  # weights interleaved: a drift of the machine's speed hits them all
+        for w, engine in engines.items():
+            say(f"decode: {w}, run {rep + 1}/{config.repeat}")
+            use_policy(engine, _cell(config, w, "locret", budgets[w], "compact"))
+            locret = _row(f"locret b={budgets[w]}, {w}", "locret", "compact", config.length,
+                          _run(engine, ids, config.decode_tokens))
+            use_policy(engine, _cell(config, w, "full", None, "original"))
+            floor = _row(f"floor: full after {FLOOR_PROMPT} tokens, {w}", "full", "original", FLOOR_PROMPT,
+                         _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
+            runs[w].append([locret, floor])
+    rows = []
+    for w in config.weights:
+        for i in range(2):
+            row = median_row([r[i] for r in runs[w]])
+            row["weights"] = w
+            row["weights_mib"] = round(weight_bytes(engines[w].model) / 2**20, 1)
+            rows.append(row)
+    base = {r["row"].split(", ")[0]: r for r in rows if r["weights"] == config.weights[0]}
+    for row in rows:
+        ref = base[row["row"].split(", ")[0]]
+        row["decode_vs_" + config.weights[0]] = round(row["decode_tok_s"] / ref["decode_tok_s"], 2)
+    return {
+        "command": config.command,
+        "setup": {"model": first.name, "model_spec": config.model, "device": first.device.type,
+                  "chunk": first.chunk, "length": config.length, "decode_tokens": config.decode_tokens,
+                  "repeat": config.repeat, "seed": config.seed, "heads": config.heads, "budgets": budgets,
+                  "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+                  "prompt": "niah_single document at depth 0.5 in the app's layout (render.user_turn)"},
+        "hardware": machine.hardware(), "versions": machine.versions(),
+        "rows": rows, "runs": runs,
+    }
+
+
+COLUMNS = ["row", "weights", "weights_mib", "prompt_tokens", "prefill_tok_s", "decode_tok_s", "kv_units_per_head"]
+
+
+def markdown(result: dict) -> str:
+    s = result["setup"]
+    ratio = next(k for k in result["rows"][0] if k.startswith("decode_vs_"))
+    cols = COLUMNS + [ratio]
+    lines = [f"# Decode speed by weight precision: {s['model']} on {s['device']}, {s['threads']} threads", "",
+             f"Command: `{result['command']}`", "",
+             f"Document {s['length']:,} tokens, chunk {s['chunk']}, {s['decode_tokens']} greedy tokens decoded "
+             f"(EOS ignored), medians of {s['repeat']} interleaved runs, heads {s['heads']} (speed only), "
+             f"{s['date']}.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in result["rows"]:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
+    hw = result["hardware"]
+    lines += ["", f"Hardware: {hw}", f"Versions: {result['versions']}", ""]
+    return "\n".join(lines)
+
+
+def run(config: DecodeConfig, say=lambda s: None) -> Path:
+    result = measure(config, say)
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "decode.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    md = config.out / "decode.md"
+    md.write_text(markdown(result), encoding="utf-8")
+    return md

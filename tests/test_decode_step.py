@@ -1,0 +1,93 @@
+"""engine/decode_step.py: a decoded token without transformers' forward gives transformers' logits and cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localchat.engine import decode_step
+from localchat.engine.decode_step import DecodeStep
+from localchat.engine.engine import Engine
+from localchat.engine.events import Done
+from localchat.engine.heads import RetainingHeads
+from localchat.engine.policies import make_policy
+from localchat.engine.prefill import forward, prefill
+from localchat.engine.sampling import GenerationSettings
+from tiny import ARCHITECTURES, tiny_architecture, tiny_tokenizer
+
+LEAN = ["llama", "mistral", "qwen2", "qwen3"]  # Llama's layer layout; Phi-3 fuses q/k/v and keeps transformers'
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _locret(model):
+    heads = RetainingHeads.random(model, d_r=32)
+    return make_policy("locret", budget=48, stabilizers=8, local=8, decode_window=4, heads=heads)
+
+
+def _read(engine, model, ids):
+    cache = engine.new_cache(ids.shape[-1], 16)
+    engine.policy.attach(model, cache)
+    run = prefill(model, cache, ids, chunk=32, policy=engine.policy)
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return cache, stop.value
+
+
+@pytest.mark.parametrize("arch", LEAN)
+def test_a_step_gives_transformers_logits_and_cache(arch, tok):
+    """Steps after a LOCRET read at compact positions (so RoPE slots, not true positions): logits, keys, values
+    and positions as transformers' forward leaves them, step after step."""
+    model = tiny_architecture(arch, len(tok))
+    engine = Engine(model, tok, chunk=32, policy=_locret(model))
+    ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1))
+    ours, _ = _read(engine, model, ids)
+    theirs, _ = _read(engine, model, ids)
+    assert decode_step.supported(model, ours)
+    lean = DecodeStep(model, ours)
+    for i, token in enumerate([5, 17, 9, 40]):
+        step = torch.tensor([[token]])
+        a = lean.step(step, 200 + i)
+        b = forward(model, theirs, step, 200 + i)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for x, y in zip(ours.layers, theirs.layers):
+        torch.testing.assert_close(x.keys, y.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.values, y.values, rtol=1e-5, atol=1e-6)
+        assert torch.equal(x.positions, y.positions)
+    engine.policy.detach()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("policy", ["locret", "sirllm", "full", "h2o"])
+def test_the_engine_answers_the_same_with_and_without_it(arch, policy, tok, monkeypatch):
+    """Whole answers, greedy, with evictions while decoding: the same tokens either way. It runs where it can
+    (Llama-layout models on the plain cache with plain SDPA), and never for a policy that switched the attention
+    function (H2O) or for Phi-3's fused projections."""
+    model = tiny_architecture(arch, len(tok))
+    steps = []
+    real = DecodeStep.step
+    monkeypatch.setattr(DecodeStep, "step", lambda self, *a: steps.append(1) or real(self, *a))
+    answers = {}
+    for lean in (True, False):
+        built = _locret(model) if policy == "locret" else make_policy(policy, **({} if policy == "full" else
+                                                                                 {"budget": 48, "local": 8}))
+        engine = Engine(model, tok, chunk=32, policy=built)
+        engine.lean_decode = lean
+        ids = engine.encode("the quick brown fox jumps over the lazy dog " * 8)
+        *_, done = engine.generate(ids, GenerationSettings(max_new_tokens=20, ignore_eos=True))
+        assert isinstance(done, Done) and done.new_tokens == 20
+        answers[lean] = (done.text, done.kv_tokens)
+    assert answers[True] == answers[False]
+    expected = 19 if arch in LEAN and policy != "h2o" else 0  # the first token comes from the prefill
+    assert len(steps) == expected
+
+
+def test_a_quantized_cache_keeps_its_fused_decode(tok):
+    model = tiny_architecture("llama", len(tok))
+    engine = Engine(model, tok, chunk=32, kv="int8", policy=make_policy("streaming", budget=48, local=8))
+    assert not decode_step.supported(model, engine.new_cache(100, 4))

@@ -1,0 +1,61 @@
+"""kernels/packed.py: weight-only int8 / int4 linear layers on torch's packed CPU kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from localchat.kernels.packed import GROUP, VECTOR_ROWS, PackedLinear, layout_ok, pack_model, unpack_int4
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_the_int4_layout_read_back_is_torchs_own():
+    """unpack_int4 reads torch's packed int4 codes back exactly (else int4 would dequantize wrong weights)."""
+    assert layout_ok()
+    codes = torch.randint(0, 16, (192, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(unpack_int4(packed).to(torch.int32), codes)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("out_features,bias", [(192, False), (40, True)])  # 40 rows: int4 pads to a block of 64
+def test_both_paths_compute_the_dequantized_weight(bits, out_features, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, out_features, bias=bias)
+    packed = PackedLinear(linear, bits)
+    assert packed.bits == bits
+    weight = packed.dequantized().float()[:out_features]
+    assert _rel(weight, linear.weight) < (0.01 if bits == 8 else 0.08)  # the quantization error itself
+    for rows in (1, VECTOR_ROWS[bits] + 1):  # the packed kernel, then the dequantized bf16 matmul
+        x = torch.randn(2, rows, 96)
+        y = packed(x)
+        assert y.shape == (2, rows, out_features) and y.dtype == torch.float32
+        assert _rel(y, nn.functional.linear(x, weight, linear.bias)) < 0.01  # bf16 arithmetic only
+
+
+def test_int4_reproduces_weights_already_on_a_4bit_grid():
+    """A weight that is itself 4-bit in groups of 32 (a Q4_1 GGUF's: each group's minimum is code 0 and its maximum
+    code 15) comes back to bf16 rounding, not to 4 bits."""
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (128, 64 // GROUP, GROUP), generator=g).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale, low = torch.rand(128, 64 // GROUP, 1, generator=g) * 0.01, torch.randn(128, 64 // GROUP, 1, generator=g) * 0.05
+    linear = nn.Linear(64, 128, bias=False)
+    linear.weight.data = (codes * scale + low).reshape(128, 64)
+    assert _rel(PackedLinear(linear, 4).dequantized(), linear.weight) < 0.004
+
+
+def test_int4_needs_whole_groups_else_int8():
+    assert PackedLinear(nn.Linear(48, 64), 4).bits == 8  # 48 inputs: not whole groups of 32
+
+
+def test_pack_model_replaces_every_linear_but_the_skipped():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32)))
+    model.add_module("head", nn.Linear(32, 8))
+    assert pack_model(model, 4, skip=("head",)) == 2
+    assert [type(m).__name__ for m in (model[0], model[2][0], model.head)] == ["PackedLinear", "PackedLinear", "Linear"]
+    assert model(torch.randn(3, 64)).shape == (3, 8)
