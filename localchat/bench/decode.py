@@ -2,7 +2,8 @@
 
 For each `--weights` (fp32, int8, int4 by default) one engine is loaded, and every repeat runs, weights after
 weights: LOCRET (compact positions, `budget`) answering after a `length`-token document (prefill and decode
-tokens/s), and the floor, full attention after a 64-token prompt (a cache that is almost empty: what the weights
+tokens/s), the same through transformers' forward at every step (`lean_decode` off: what engine/decode_step.py
+saves), and the floor, full attention after a 64-token prompt (a cache that is almost empty: what the weights
 alone cost a step). Each number is the median over the repeats; the single runs are kept in decode.json.
 Speed does not depend on the heads' weights, only on their size: `--heads random` is the default.
 """
@@ -71,13 +72,17 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
             use_policy(engine, _cell(config, w, "locret", budgets[w], "compact"))
             locret = _row(f"locret b={budgets[w]}, {w}", "locret", "compact", config.length,
                           _run(engine, ids, config.decode_tokens))
+            engine.lean_decode = False
+            stock = _row(f"locret b={budgets[w]} via transformers' forward, {w}", "locret", "compact",
+                         config.length, _run(engine, ids, config.decode_tokens))
+            engine.lean_decode = True
             use_policy(engine, _cell(config, w, "full", None, "original"))
             floor = _row(f"floor: full after {FLOOR_PROMPT} tokens, {w}", "full", "original", FLOOR_PROMPT,
                          _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
-            runs[w].append([locret, floor])
+            runs[w].append([locret, stock, floor])
     rows = []
     for w in config.weights:
-        for i in range(2):
+        for i in range(3):
             row = median_row([r[i] for r in runs[w]])
             row["weights"] = w
             row["weights_mib"] = round(weight_bytes(engines[w].model) / 2**20, 1)
