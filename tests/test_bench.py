@@ -236,6 +236,27 @@ def test_perf_writes_every_row(tiny_dir, tmp_path, capsys):
     assert "median of 2 runs" in md
 
 
+def test_decode_bench_rows_per_weights(tiny_dir, tmp_path):
+    """`bench decode` loads one engine per --weights (packed int8/int4 on this CPU) and reports medians."""
+    argv = ["bench", "decode", "--out", str(tmp_path), "--model", tiny_dir, "--chunk", "64", "--length", "256",
+            "--budget", "64", "--decode-tokens", "3", "--repeat", "2", "--weights", "fp32,int4", "--heads", "random"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "decode.json").read_text())
+    rows = result["rows"]
+    assert [(r["weights"], r["row"].split(",")[0]) for r in rows] == [
+        (w, label) for w in ("fp32", "int4")
+        for label in ("locret b=64", "locret b=64 via transformers' forward", "floor: full after 64 tokens")]
+    assert all(r["decode_tok_s"] > 0 and r["new_tokens"] == 3 for r in rows)
+    assert rows[3]["weights_mib"] < rows[0]["weights_mib"]  # int4 holds fewer bytes than fp32
+    assert rows[0]["decode_vs_fp32"] == 1.0 and rows[3]["decode_vs_fp32"] > 0
+    for w in ("fp32", "int4"):  # each reported number is the median of the runs
+        runs = result["runs"][w]
+        assert len(runs) == 2
+        mine = [r for r in rows if r["weights"] == w][0]
+        assert mine["decode_tok_s"] == pytest.approx((runs[0][0]["decode_tok_s"] + runs[1][0]["decode_tok_s"]) / 2)
+    assert result["command"].startswith("localchat bench decode") and result["command"] in (tmp_path / "decode.md").read_text()
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -251,6 +272,8 @@ def test_perf_writes_every_row(tiny_dir, tmp_path, capsys):
         (["bench"], "needs --out"),
         (["bench", "--policies", "full,locret", "--model", "/some/dir", "--out", "D"], "locret needs retaining heads"),
         (["bench", "perf"], "needs --out"),
+        (["bench", "decode"], "needs --out"),
+        (["bench", "decode", "--out", "D", "--weights", "int3"], "unknown --weights 'int3'"),
         (["bench", "perf", "--out", "D", "--min-length", "9000", "--max-length", "4096"], "above --max-length"),
         (["bench", "report", "/no/such/dir"], "no results.jsonl"),
     ],
