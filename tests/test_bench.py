@@ -274,6 +274,8 @@ def test_decode_bench_rows_per_weights(tiny_dir, tmp_path):
         (["bench", "perf"], "needs --out"),
         (["bench", "decode"], "needs --out"),
         (["bench", "decode", "--out", "D", "--weights", "int3"], "unknown --weights 'int3'"),
+        (["bench", "decode", "--out", "D", "--peer", "ollama"], "unknown --peer 'ollama'"),
+        (["bench", "decode", "--out", "D", "--peer", "llama.cpp", "--model", "some/dir"], "reads GGUF files"),
         (["bench", "perf", "--out", "D", "--min-length", "9000", "--max-length", "4096"], "above --max-length"),
         (["bench", "report", "/no/such/dir"], "no results.jsonl"),
     ],
@@ -504,3 +506,25 @@ def test_report_plots_give_each_policy_its_own_look(tmp_path):
     series = time_memory.get_lines()
     assert len(series) == 12 * 2  # policy x budget
     assert len({(to_rgba(h.get_color()), str(h.get_linestyle())) for h in series}) == 12 * 2
+
+
+@pytest.mark.model
+def test_decode_bench_peer_row_runs_llama_cpp_or_says_how_to_get_it(tmp_path):
+    """`--peer llama.cpp` on the embedded GGUF: with the [peers] extra, llama.cpp's rows beside ours (the same
+    prompt tokens); without it, one row naming the install command."""
+    from localchat.bench.peer import INSTALL, available
+
+    argv = ["bench", "decode", "--out", str(tmp_path), "--weights", "fp32", "--length", "300", "--budget", "64",
+            "--chunk", "64", "--decode-tokens", "3", "--repeat", "1", "--peer", "llama.cpp"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "decode.json").read_text())
+    if available():
+        whole, short = result["peer_rows"]
+        assert whole["prompt_tokens"] == result["rows"][0]["prompt_tokens"] and whole["decode_tok_s"] > 0
+        assert short["prompt_tokens"] == result["rows"][0]["kv_units_per_head"]
+        assert set(result["ratios_vs_peer"]["fp32"]) == {"decode_vs_peer_at_locret_depth", "decode_vs_peer_full",
+                                                         "prefill_vs_peer"}
+    else:
+        assert result["peer_rows"] == [{"row": "llama.cpp: not installed", "peer": "llama.cpp",
+                                        "note": f"to measure it: {INSTALL}"}]
+        assert INSTALL in (tmp_path / "decode.md").read_text()

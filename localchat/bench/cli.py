@@ -90,6 +90,7 @@ def add_parser(subparsers) -> None:
     dec.add_argument("--budget", type=int, default=None, help="LOCRET budget (default: the model card's)")
     dec.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per run (default 64)")
     dec.add_argument("--repeat", type=int, default=3, help="interleaved runs; the tables give medians (default 3)")
+    dec.add_argument("--peer", default=None, help="also run llama.cpp on the same GGUF (needs the [peers] extra)")
     _engine_flags(dec)
     kern = sub.add_parser("kernels", help="each Triton kernel vs its torch twin; int4-KV decode end to end")
     kern.add_argument("--out", help="directory for kernels.json and kernels.md")
@@ -265,7 +266,7 @@ def _run_decode(args) -> int:
     config = DecodeConfig(out=Path(args.out), model=f["model"], weights=parse_list(args.decode_weights, "weights"),
                           length=parse_length(args.length), budget=args.budget, chunk=f["chunk"],
                           heads=f["heads"] or "random", decode_tokens=args.decode_tokens, repeat=args.repeat,
-                          seed=f["seed"] or 0,
+                          seed=f["seed"] or 0, peer=args.peer,
                           command=shlex.join(["localchat", "bench", *sys.argv[sys.argv.index("decode"):]])
                           if "decode" in sys.argv else "localchat bench decode")
     print(run_decode(config, say=_say).read_text(encoding="utf-8"))

@@ -6,6 +6,10 @@ tokens/s), the same through transformers' forward at every step (`lean_decode` o
 saves), and the floor, full attention after a 64-token prompt (a cache that is almost empty: what the weights
 alone cost a step). Each number is the median over the repeats; the single runs are kept in decode.json.
 Speed does not depend on the heads' weights, only on their size: `--heads random` is the default.
+
+`--peer llama.cpp` adds llama.cpp on the same GGUF file and prompt tokens, in the same repeats (bench/peer.py):
+its read and decode after the whole document (full f16 KV cache), and its decode after only as many prompt
+tokens as LOCRET keeps (the cache size LOCRET decodes over); the ratios compare each weights' LOCRET row to it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from localchat.bench import machine
 from localchat.bench.cell import Cell, load_engine, use_policy
+from localchat.bench.peer import check_peer, load_peer, missing_row, peer_rows
 from localchat.bench.perf import FLOOR_PROMPT, _prompt, _row, _run, median_row
 from localchat.bench.runner import default_chunk
 from localchat.errors import UserError
@@ -38,6 +43,7 @@ class DecodeConfig:
     decode_tokens: int = 64
     repeat: int = 3
     seed: int = 0
+    peer: str | None = None
     command: str = ""
 
 
@@ -57,6 +63,7 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
         check(w, torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda"))
         if w not in KNOWN:
             raise UserError(f"unknown --weights {w!r}")
+    check_peer(config.peer, config.model)
     engines, budgets = {}, {}
     for w in config.weights:
         say(f"decode: loading {w}")
@@ -66,6 +73,8 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
     for w, engine in engines.items():
         budgets[w] = config.budget or (engine.card.locret.get("budget") if engine.card else None) or 1024
     runs: dict[str, list[list[dict]]] = {w: [] for w in config.weights}
+    peer = load_peer(config.peer, config.model, len(ids) + config.decode_tokens + 16, torch.get_num_threads())
+    peer_runs: list[list[dict]] = []
     for rep in range(config.repeat):  # weights interleaved: a drift of the machine's speed hits them all
         for w, engine in engines.items():
             say(f"decode: {w}, run {rep + 1}/{config.repeat}")
@@ -80,6 +89,10 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
             floor = _row(f"floor: full after {FLOOR_PROMPT} tokens, {w}", "full", "original", FLOOR_PROMPT,
                          _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
             runs[w].append([locret, stock, floor])
+        if peer is not None:
+            say(f"decode: {config.peer}, run {rep + 1}/{config.repeat}")
+            depth = runs[config.weights[0]][-1][0]["kv_units_per_head"]
+            peer_runs.append(peer_rows(peer, config.peer, ids, depth, config.decode_tokens))
     rows = []
     for w in config.weights:
         for i in range(3):
@@ -91,8 +104,19 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
     for row in rows:
         ref = base[row["row"].split(", ")[0]]
         row["decode_vs_" + config.weights[0]] = round(row["decode_tok_s"] / ref["decode_tok_s"], 2)
+    peer_out = [median_row([r[i] for r in peer_runs]) for i in range(2)] if peer_runs else \
+        ([missing_row(config.peer)] if config.peer else [])
+    ratios = {}
+    if peer_runs:
+        whole, short = peer_out
+        for row in rows:
+            if row["row"].startswith("locret") and "transformers" not in row["row"]:
+                ratios[row["weights"]] = {"decode_vs_peer_at_locret_depth": round(row["decode_tok_s"] / short["decode_tok_s"], 2),
+                                          "decode_vs_peer_full": round(row["decode_tok_s"] / whole["decode_tok_s"], 2),
+                                          "prefill_vs_peer": round(row["prefill_tok_s"] / whole["prefill_tok_s"], 2)}
     return {
-        "command": config.command,
+        "command": config.command, "peer": config.peer, "peer_rows": peer_out, "peer_runs": peer_runs,
+        "ratios_vs_peer": ratios,
         "setup": {"model": first.name, "model_spec": config.model, "device": first.device.type,
                   "chunk": first.chunk, "length": config.length, "decode_tokens": config.decode_tokens,
                   "repeat": config.repeat, "seed": config.seed, "heads": config.heads, "budgets": budgets,
@@ -118,6 +142,17 @@ def markdown(result: dict) -> str:
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in result["rows"]:
         lines.append("| " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
+    if result.get("peer_rows"):
+        lines += ["", "| peer row | prompt_tokens | prefill_tok_s | decode_tok_s | kv_units_per_head | note |",
+                  "|---|---|---|---|---|---|"]
+        for row in result["peer_rows"]:
+            lines.append("| " + " | ".join(str(row.get(c, "")) for c in
+                                             ("row", "prompt_tokens", "prefill_tok_s", "decode_tok_s",
+                                              "kv_units_per_head", "note")) + " |")
+        for w, r in result["ratios_vs_peer"].items():
+            lines.append(f"\nLOCRET {w} / {result['peer']}: decode {r['decode_vs_peer_at_locret_depth']}x its decode at "
+                         f"LOCRET's cache size, {r['decode_vs_peer_full']}x after the whole document; "
+                         f"prefill {r['prefill_vs_peer']}x.")
     hw = result["hardware"]
     lines += ["", f"Hardware: {hw}", f"Versions: {result['versions']}", ""]
     return "\n".join(lines)
