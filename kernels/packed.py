@@ -64,7 +64,9 @@ class PackedLinear(nn.Module):
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.codes, GROUP, self.scales)
         else:
             y = nn.functional.linear(flat, self.dequantized())
-        y = y[:, : self.out_features].to(x.dtype)
+        if y.shape[-1] != self.out_features:  # int4 rows padded to whole blocks
+            y = y[:, : self.out_features]
+        y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
