@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LISTS = {"file", "sources"}  # arguments that take several values (`-f A -f B`, `bench by-length ... A B`)
 LARGEST = 2**62  # no count or seed a user means is larger; torch's seeds and sizes overflow past it
 
 
@@ -103,7 +104,7 @@ def _check_numbers(f: dict) -> None:
     """Every number given on the command line is finite and of a size a count can have (one line each)."""
     for key, value in f.items():
         flag = "--" + key.replace("_", "-")
-        if isinstance(value, list) and key != "file":  # argparse turns `--seed=--` into []
+        if isinstance(value, list) and key not in LISTS:  # argparse turns `--seed=--` into []
             raise UserError(f"{flag} needs a value (got {'--' if not value else value!r})")
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{flag} must be a finite number (got {value})")

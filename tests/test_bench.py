@@ -140,6 +140,24 @@ def _fake_rows():
     return rows
 
 
+def test_by_length_joins_results_dirs_at_one_budget(tmp_path, capsys):
+    """Rows from two results dirs (short and long lengths) in one table and one plot per task, at one budget."""
+    short, long_ = tmp_path / "short", tmp_path / "long"
+    short.mkdir()
+    long_.mkdir()
+    (short / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in _fake_rows()))
+    far = [{**r, "length": 4096} for r in _fake_rows() if r["policy"] == "locret" and r["budget"] == 64]
+    (long_ / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in far))
+    out = tmp_path / "out"
+    assert main(["bench", "by-length", str(short), str(long_), "--out", str(out), "--budget", "64"]) == 0
+    md = (out / "by-length.md").read_text()
+    assert "| policy | 256 | 512 | 4K |" in md
+    assert "| full | 0.33 (3) | 0.50 (2) |  |" in md  # the errored row is left out
+    assert "| locret | 0.33 (3) | 0.50 (2) | 0.40 (5) |" in md  # b=128 rows are not at this budget
+    assert sorted(p.name for p in out.glob("*.png")) == ["accuracy-by-length-niah_single.png",
+                                                         "accuracy-by-length-passkey.png"]
+
+
 def test_report_counts_each_cell(tmp_path, capsys):
     (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in _fake_rows()))
     assert main(["bench", "report", str(tmp_path)]) == 0

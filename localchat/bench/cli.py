@@ -23,11 +23,12 @@ USAGE = """examples:
   localchat bench targets DIR [--fill DIR] [--out FILE.md]
   localchat bench cross-check DIR_A DIR_B [--out FILE.md]
   localchat bench side-by-side DIR
+  localchat bench by-length --out DIR SRC_DIR [SRC_DIR ...] [--budget 1024]
   localchat bench plot-training RUN_DIR/train-log.json OUT.png
   localchat bench random-model tests/data/configs/llama-3.1-8b-instruct.json DIR [--layers 2]"""
 
 
-EVIDENCE = {"targets": "targets", "cross-check": "crosscheck", "side-by-side": "side_by_side",
+EVIDENCE = {"targets": "targets", "cross-check": "crosscheck", "side-by-side": "side_by_side", "by-length": "by_length",
             "plot-training": "training_plot", "random-model": "random_model"}  # subcommand -> module with main(args)
 
 
@@ -69,7 +70,7 @@ def add_parser(subparsers) -> None:
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
     sub = bench.add_subparsers(dest="bench_command",
-                                metavar="{report,perf,decode,kernels,targets,cross-check,side-by-side,plot-training,random-model}")
+                                metavar="{report,perf,decode,kernels,targets,cross-check,side-by-side,by-length,plot-training,random-model}")
     report = sub.add_parser("report", help="DIR/results.jsonl -> DIR/report.md and PNG plots")
     report.add_argument("dir", help="a bench --out directory")
     perf = sub.add_parser("perf", help="LOCRET vs full speed side by side; time per token vs length")
@@ -111,6 +112,12 @@ def add_parser(subparsers) -> None:
     check.add_argument("--out", help="also write the table to this file (e.g. cross-check.md)")
     side = sub.add_parser("side-by-side", help="every policy's mean score, KV kept and peak memory, one table")
     side.add_argument("dir", help="a bench --out directory with the grid's 4K and 7,680 cells")
+    by_len = sub.add_parser("by-length", help="accuracy against document length per policy, from several results dirs")
+    by_len.add_argument("sources", nargs="+", help="bench --out directories (e.g. the 4K-32K grid and the long lanes)")
+    by_len.add_argument("--out", required=True, help="directory for by-length.md and the plots")
+    by_len.add_argument("--budget", type=int, default=1024, help="the budget to compare at (default 1024)")
+    by_len.add_argument("--policies", default=None,
+                        help="series to show, comma-separated as report labels them (default: each policy's plain one)")
     curve = sub.add_parser("plot-training", help="retaining heads' train-log.json -> a training-curve PNG")
     curve.add_argument("log", help="RUN_DIR/train-log.json of `localchat train-heads`")
     curve.add_argument("out", help="the PNG to write")
