@@ -14,7 +14,6 @@ tokens as LOCRET keeps (the cache size LOCRET decodes over); the ratios compare 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from localchat.bench import machine
 from localchat.bench.cell import Cell, load_engine, use_policy
 from localchat.bench.peer import check_peer, load_peer, missing_row, peer_rows
-from localchat.bench.perf import FLOOR_PROMPT, _prompt, _row, _run, median_row
+from localchat.bench.perf import FLOOR_PROMPT, _prompt, _row, _run, median_row, write
 from localchat.bench.runner import default_chunk
 from localchat.errors import UserError
 
@@ -159,9 +158,4 @@ def markdown(result: dict) -> str:
 
 
 def run(config: DecodeConfig, say=lambda s: None) -> Path:
-    result = measure(config, say)
-    config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / "decode.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    md = config.out / "decode.md"
-    md.write_text(markdown(result), encoding="utf-8")
-    return md
+    return write(measure(config, say), config.out / "decode.json", config.out / "decode.md", markdown)

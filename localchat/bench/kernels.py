@@ -197,11 +197,7 @@ def markdown(result: dict) -> str:
 
 
 def run(config: KernelConfig, say=lambda s: None) -> Path:
-    import json
+    from localchat.bench.perf import write
 
-    result = measure(config, say)
-    config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / "kernels.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    path = config.out / "kernels.md"
-    path.write_text(markdown(result) + "\n", encoding="utf-8")
-    return path
+    return write(measure(config, say), config.out / "kernels.json", config.out / "kernels.md",
+                 lambda result: markdown(result) + "\n")

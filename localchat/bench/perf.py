@@ -268,10 +268,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write(result: dict, json_path: Path, md_path: Path) -> None:
+def write(result: dict, json_path: Path, md_path: Path, render=None) -> Path:
+    """result as JSON and as markdown (`render`, default this module's `markdown`); the markdown's path."""
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    md_path.write_text(markdown(result), encoding="utf-8")
+    md_path.write_text((render or markdown)(result), encoding="utf-8")
+    return md_path
 
 
 def run(config: PerfConfig, say=lambda s: None) -> Path:
