@@ -47,6 +47,7 @@ class LlamaCpp:
 
     def run(self, ids: list[int], new: int) -> dict:
         import numpy as np
+        from llama_cpp import llama_get_logits_ith
 
         llm = self.llm
         llm.reset()
@@ -54,8 +55,12 @@ class LlamaCpp:
         llm.eval(ids)
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
+        vocab = llm.n_vocab()
+        self.tokens: list[int] = []  # the greedy answer, for a check against ours
         for i in range(new):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            logits = np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))  # the last token's
+            token = int(np.argmax(logits))
+            self.tokens.append(token)
             if i == new - 1:
                 break
             llm.eval([token])
