@@ -15,7 +15,7 @@ import pytest
 
 from localchat.bench import tasks
 from localchat.bench.corpus import split_of
-from localchat.bench.tasks import FACT_KINDS, MAX_SECTION, _first_sentence, docs_qa, reference, score
+from localchat.bench.tasks import FACT_KINDS, MAX_SECTION, Sample, _first_sentence, docs_qa, reference, score
 
 
 def _count(tok, text):
@@ -109,13 +109,28 @@ def test_the_asked_section_sits_at_its_depth(tiny_tok, depth):
     assert max(map(len, s.document.split("\n\n## "))) <= MAX_SECTION
 
 
+def _asking(test) -> Sample:
+    """A docs_qa sample (no document: scoring reads only the answer) for the first default fact whose answer
+    passes `test`."""
+    answer = next(f.answer for f in reference().facts["default"] if test(f.answer))
+    return Sample("docs_qa", "", "", answer, 0, -1, None, answers=(answer,))
+
+
 def test_scoring(tiny_tok):
-    default = docs_qa(tiny_tok, 1500, seed=2, depth=0.5, kind="default")
-    value = default.answer.strip("'\"")
-    assert score(default, default.answer) and score(default, f"The default is {value.upper()}.")
-    assert score(default, f'"{value}"') and not score(default, "None")
-    other = next(f.answer for f in reference().facts["default"] if f.answer != default.answer)
-    assert not score(default, other) and not score(default, value + "9")
+    text = _asking(lambda a: a[0] == "'")
+    value = text.answer.strip("'")
+    assert score(text, text.answer) and score(text, f"The default is {value.upper()}.") and score(text, f'"{value}"')
+    other = next(f.answer for f in reference().facts["default"] if f.answer != text.answer)
+    assert not score(text, other) and not score(text, value + "x") and not score(text, "None")
+    number = _asking(lambda a: a[0] != "'" and not a.startswith("-") and "e" not in a)
+    assert score(number, number.answer) and score(number, f"It is {number.answer}.")
+    assert score(number, f"= {number.answer}.0")
+    for wrong in ("-" + number.answer, number.answer + "1", number.answer[:-1], "v" + number.answer, "None"):
+        assert not score(number, f"It is {wrong}."), wrong
+    negative = _asking(lambda a: a.startswith("-"))
+    assert score(negative, f"timeout={negative.answer}") and not score(negative, negative.answer[1:])
+    tiny = _asking(lambda a: "e-" in a)  # 1e-09
+    assert score(tiny, tiny.answer.replace("e-0", "e-")) and not score(tiny, tiny.answer.replace("e-0", "e-1"))
     name = docs_qa(tiny_tok, 1500, seed=2, depth=0.5, kind="name")
     assert score(name, name.answer) and score(name, f"It is module.{name.answer.upper()}().")
     assert not score(name, name.answer + "_plus") and not score(name, "x" + name.answer)

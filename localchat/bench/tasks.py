@@ -39,8 +39,9 @@ Tasks and scoring rules (`score(sample, output)`; needle numbers match only as w
   asked only when its answer occurs at most SHARED times in the split and the sentence once; the
   other sections that hold the answer (or the sentence) are left out of that document, so the answer
   stands only in the asked section. Correct for "name" when the identifier appears whole (any case;
-  `shlex.quote` counts, `quote_plus` does not); for "default" when its letters and digits appear as
-  whole words (quotes, case and punctuation ignored: 'utf-8' ~ UTF-8). The split holds 2,388 such
+  `shlex.quote` counts, `quote_plus` does not); for a numeric default when a number in the output
+  has its value (1e-9 for 1e-09; 999 is not -999); for a string default when its letters and digits
+  appear as whole words (quotes, case and punctuation ignored: 'utf-8' ~ UTF-8). The split holds 2,388 such
   sections, about 156K tokens of SmolLM2's tokenizer (enough for 128K; a longer document raises);
   on CPython 3.11 there are 18 "default" facts (15 distinct answers) and 718 "name" facts.
 Documents go to the model the way the app lays them out: `render.user_turn(question, [document])`.
@@ -55,6 +56,7 @@ import math
 import random
 import re
 from bisect import bisect_right
+from decimal import Decimal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,7 +94,7 @@ CHAT_TURNS = (
 # Longest answer each task needs (greedy decoding stops earlier at the end token).
 ANSWER_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64,
                  "variable_tracking": 48, "common_words": 96, "doc_qa": 32, "multiturn": 24,
-                 "docs_qa": 32}
+                 "docs_qa": 64}  # docs_qa: SmolLM2 restates the question before a value of up to 19 digits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,13 +464,13 @@ def docs_qa(tokenizer, n_tokens: int, seed: int, depth: float | None = None, kin
     filler = ["\n\n" + s.text for i, (s, text) in enumerate(zip(ref.sections, ref.normed))
               if i != fact.section and not any(f" {m} " in text for m in fact.marks)]
     random.Random(rng.randrange(2**31)).shuffle(filler)
-    document, offsets = _place(tokenizer, n_tokens, _enough(tokenizer, filler, budget), budget,
-                               [(depth, asked)], sep="\n\n")
-    sample = _sample("docs_qa", tokenizer, document, fact.question, [fact.answer], offsets, depth)
-    if sample.n_tokens < 0.97 * n_tokens:
-        raise ValueError(f"the eval split's reference text fills only {sample.n_tokens} of {n_tokens} tokens "
-                         f"without repeating a section")
-    return sample
+    for pieces in (_enough(tokenizer, filler, budget), filler):  # every section if the first ones leave a gap
+        document, offsets = _place(tokenizer, n_tokens, pieces, budget, [(depth, asked)], sep="\n\n")
+        sample = _sample("docs_qa", tokenizer, document, fact.question, [fact.answer], offsets, depth)
+        if sample.n_tokens >= 0.97 * n_tokens:
+            return sample
+    raise ValueError(f"the eval split's reference text fills only {sample.n_tokens} of {n_tokens} tokens "
+                     f"without repeating a section")
 
 
 def _enough(tokenizer, pieces: list[str], budget: int, spare: int = 100) -> list[str]:
@@ -571,12 +573,18 @@ def score_doc_qa(sample: Sample, output: str) -> bool:
     return f" {_norm(sample.answers[0])} " in f" {_norm(output)} "
 
 
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e[+-]?\d+)?(?!\w)", flags=re.I)
+
+
 def score_docs_qa(sample: Sample, output: str) -> bool:
     """A name: the identifier appears whole, any case (`shlex.quote` counts for quote, quote_plus does not).
-    A default: its letters and digits appear as whole words, quotes and case ignored ('utf-8' ~ UTF-8)."""
+    A number: one in the output has its value (1e-9 for 1e-09; 999 is not -999). A string: its letters
+    and digits appear as whole words, quotes, case and punctuation ignored ('utf-8' ~ UTF-8)."""
     answer = sample.answers[0]
     if answer.isidentifier():
         return re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", output, flags=re.I) is not None
+    if answer[0] not in "'\"":
+        return any(Decimal(n) == Decimal(answer) for n in _NUMBER.findall(output))
     return f" {_norm(answer)} " in f" {_norm(output)} "
 
 
