@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from localchat.bench.corpus import clean, modules, natural_text, paragraphs, split_of
+from localchat.bench.corpus import clean, modules, natural_text, paragraphs, sections, split_of
 
 
 def test_splits_are_disjoint_by_module_and_by_paragraph():
@@ -46,3 +46,15 @@ def test_cleaning_keeps_prose_only():
            "Too short.")
     assert clean(doc) == ["Return the sum of the values in the given list of numbers.",
                           "See math.fsum for a more accurate way to add floating point numbers."]
+
+
+def test_reference_sections_stay_in_their_split():
+    evals = sections("eval")
+    assert len(evals) > 1000 and {s.kind for s in evals} == {"module", "class", "function"}
+    assert all(split_of(s.name.split(".")[0]) == "eval" for s in evals)
+    assert len({s.doc for s in evals}) == len(evals)  # no docstring twice
+    train = set(paragraphs("train"))
+    assert not any(p in train for s in evals for p in clean(s.doc))
+    assert not any(" at 0x" in s.header for s in evals)  # defaults with an address show as ...
+    quote = next(s for s in evals if s.name == "shlex.quote")
+    assert quote.text.startswith("## shlex.quote(s)\nReturn a shell-escaped version of the string *s*.")

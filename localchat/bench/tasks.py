@@ -28,6 +28,22 @@ Tasks and scoring rules (`score(sample, output)`; needle numbers match only as w
 - multiturn: a niah_single document in the first user turn, `turns` unrelated questions (default 9),
   then the question. Scored as niah_single. `messages` holds the conversation with short reference
   answers; the bench sends the user turns through a Session, so the model's own answers are kept.
+- docs_qa: real reference text instead of planted facts: sections "## NAME(SIGNATURE)" + docstring of
+  the eval split's modules, classes, functions and methods (`corpus.sections("eval")`, those up to
+  MAX_SECTION characters, each at most once, in a seeded order), with the asked section at `depth`
+  (the needle offset is its "##" line). Nothing is generated: the answer is read from the objects. Two
+  kinds, drawn from the seed (or `kind=`): "default", the default of a named parameter of a named
+  function as its header shows it (`inspect.signature`; strings and numbers with 3+ letters or digits,
+  never None/True/0), and "name", which function, method or class has documentation that begins
+  with a quoted first sentence (answer: its last name, e.g. `quote` for shlex.quote). A fact is
+  asked only when its answer occurs at most SHARED times in the split and the sentence once; the
+  other sections that hold the answer (or the sentence) are left out of that document, so the answer
+  stands only in the asked section. Correct for "name" when the identifier appears whole (any case;
+  `shlex.quote` counts, `quote_plus` does not); for a numeric default when a number in the output
+  has its value (1e-9 for 1e-09; 999 is not -999); for a string default when its letters and digits
+  appear as whole words (quotes, case and punctuation ignored: 'utf-8' ~ UTF-8). The split holds 2,388 such
+  sections, about 156K tokens of SmolLM2's tokenizer (enough for 128K; a longer document raises);
+  on CPython 3.11 there are 18 "default" facts (15 distinct answers) and 718 "name" facts.
 Documents go to the model the way the app lays them out: `render.user_turn(question, [document])`.
 """
 
@@ -40,10 +56,11 @@ import math
 import random
 import re
 from bisect import bisect_right
+from decimal import Decimal
 from collections.abc import Callable
 from pathlib import Path
 
-from localchat.bench.corpus import natural_text, paragraphs
+from localchat.bench.corpus import Section, natural_text, paragraphs, sections
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 DOC_NAME = "document.txt"
@@ -76,7 +93,8 @@ CHAT_TURNS = (
 )
 # Longest answer each task needs (greedy decoding stops earlier at the end token).
 ANSWER_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64,
-                 "variable_tracking": 48, "common_words": 96, "doc_qa": 32, "multiturn": 24}
+                 "variable_tracking": 48, "common_words": 96, "doc_qa": 32, "multiturn": 24,
+                 "docs_qa": 64}  # docs_qa: SmolLM2 restates the question before a value of up to 19 digits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +164,17 @@ def haystack(tokenizer, n_tokens: int, seed: int, needles: list[tuple[float, str
     if budget < 8:
         raise ValueError(f"{n_tokens} tokens cannot hold the needles ({needle_cost} tokens)")
     pieces = _sentences(natural_text("eval", int(budget * chars_per_token * 1.2) + 400, seed))
+    return _place(tokenizer, n_tokens, pieces, budget, needles)
+
+
+def _place(tokenizer, n_tokens: int, pieces: list[str], budget: int, needles: list[tuple[float, str]],
+           sep: str = " ") -> tuple[str, list[int]]:
+    """`pieces` (each starting with its separating whitespace) up to `budget` tokens with the needles between
+    them, shrunk until the whole is at most `n_tokens`; the document and each needle's token offset."""
     sizes = [len(ids) for ids in tokenizer(pieces, add_special_tokens=False)["input_ids"]]
     order = sorted(range(len(needles)), key=lambda j: needles[j][0])  # stable: ties keep list order
     for _ in range(4):
-        document, starts = _assemble(pieces, sizes, budget, [needles[j] for j in order])
+        document, starts = _assemble(pieces, sizes, budget, [needles[j] for j in order], sep)
         total, offsets = _token_offsets(tokenizer, document, starts)
         if total <= n_tokens:
             break
@@ -161,7 +186,7 @@ def haystack(tokenizer, n_tokens: int, seed: int, needles: list[tuple[float, str
 
 
 def _assemble(pieces: list[str], sizes: list[int], budget: int,
-              needles: list[tuple[float, str]]) -> tuple[str, list[int]]:
+              needles: list[tuple[float, str]], sep: str = " ") -> tuple[str, list[int]]:
     """Take pieces in order up to `budget` tokens (skipping those that would overflow it), then put
     the needles (sorted by depth) between them."""
     chosen = []
@@ -178,9 +203,9 @@ def _assemble(pieces: list[str], sizes: list[int], budget: int,
     nxt = 0
     for i in range(take + 1):
         while nxt < len(needles) and at[nxt] == i:
-            sep = " " if parts else ""
-            starts.append(length + len(sep))
-            parts.append(sep + needles[nxt][1])
+            gap = sep if parts else ""
+            starts.append(length + len(gap))
+            parts.append(gap + needles[nxt][1])
             length += len(parts[-1])
             nxt += 1
         if i < take:
@@ -349,6 +374,118 @@ def doc_qa(tokenizer, n_tokens: int, seed: int, depth: float | None = None, fact
     return _sample("doc_qa", tokenizer, document, question, [values[0]], offsets, depth)
 
 
+# --- questions about real reference text ----------------------------------------------------------
+
+MAX_SECTION = 2000  # characters; longer sections are left out, so the asked one lands near its depth
+MAX_ASKED = 1000  # characters of an asked section (it must fit short documents)
+SHARED = 3  # an answer may occur this often at most in the split's sections (the document keeps one)
+FACT_KINDS = ("default", "name")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fact:
+    kind: str  # "default": a parameter's default; "name": whose docstring begins with a sentence
+    section: int  # index of the asked section in Reference.sections
+    question: str
+    answer: str  # as the section writes it: a default's repr, or the object's last name
+    marks: tuple[str, ...]  # normalised text that no other section of the document may hold
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    sections: tuple[Section, ...]
+    normed: tuple[str, ...]  # " " + _norm(section text) + " "
+    facts: dict[str, tuple[Fact, ...]]  # by kind
+
+
+@functools.lru_cache(maxsize=1)
+def reference() -> Reference:
+    """The eval split's sections up to MAX_SECTION characters and every fact that can be asked about them."""
+    pool = tuple(s for s in sections("eval") if len(s.text) <= MAX_SECTION)
+    normed = tuple(f" {_norm(s.text)} " for s in pool)
+    every = "\n".join(normed)  # sections apart: a match cannot cross the newline
+    facts = [f for i, s in enumerate(pool) if len(s.text) <= MAX_ASKED
+             for f in _default_facts(i, s, every) + _name_facts(i, s, every)]
+    return Reference(pool, normed, {k: tuple(f for f in facts if f.kind == k) for k in FACT_KINDS})
+
+
+def _distinctive(value: str) -> bool:
+    """A default worth asking: a string or a number (as repr shows it) with at least 3 letters or digits."""
+    if not (value[0] in "'\"" or re.fullmatch(r"-?\d[\d_.e+-]*", value)):
+        return False  # None, True, bytes, tuples, ...
+    return len(_norm(value).replace(" ", "")) >= 3
+
+
+def _default_facts(i: int, section: Section, every: str) -> list[Fact]:
+    facts = []
+    for param, value in section.defaults:
+        key = _norm(value)
+        question = (f"In the provided text, what is the default value of the parameter {param} of "
+                    f"{section.name}? Answer with the value only.")
+        if (_distinctive(value) and every.count(f" {key} ") <= SHARED
+                and f" {key} " not in f" {_norm(question)} "):
+            facts.append(Fact("default", i, question, value, (key,)))
+    return facts
+
+
+def _first_sentence(doc: str) -> str | None:
+    para = " ".join(line.strip() for line in doc.split("\n\n")[0].splitlines())
+    found = re.match(r"(.+?[.!?])(?:\s|$)", para)
+    return found.group(1) if found else None
+
+
+def _name_facts(i: int, section: Section, every: str) -> list[Fact]:
+    name = section.name.rsplit(".", 1)[-1]
+    sentence = _first_sentence(section.doc)
+    if section.kind == "module" or len(name) < 4 or sentence is None or not 40 <= len(sentence) <= 200:
+        return []
+    key, said = _norm(name), _norm(sentence)
+    if f" {key} " in f" {said} " or every.count(f" {key} ") > SHARED or every.count(f" {said} ") > 1:
+        return []  # the sentence gives the name away, or either is not distinctive
+    question = (f'Which function, method or class in the provided text has documentation that begins: '
+                f'"{sentence}" Answer with its name only.')
+    return [Fact("name", i, question, name, (key, said))]
+
+
+def docs_qa(tokenizer, n_tokens: int, seed: int, depth: float | None = None, kind: str | None = None) -> Sample:
+    """Real reference sections (standard-library docstrings of the eval split) with a question about the
+    one at `depth`: a parameter's default, or which object's docstring begins with a given sentence."""
+    rng = random.Random(seed)
+    depth = rng.random() if depth is None else depth
+    kind = rng.choice(FACT_KINDS) if kind is None else kind
+    if kind not in FACT_KINDS:
+        raise ValueError(f"docs_qa kind must be one of {', '.join(FACT_KINDS)}, not {kind!r}")
+    ref = reference()
+    fact = rng.choice(ref.facts[kind])
+    asked = ref.sections[fact.section].text
+    budget = n_tokens - _count(tokenizer, "\n\n" + asked)
+    if budget < 8:
+        raise ValueError(f"{n_tokens} tokens cannot hold the asked section ({n_tokens - budget} tokens)")
+    filler = ["\n\n" + s.text for i, (s, text) in enumerate(zip(ref.sections, ref.normed))
+              if i != fact.section and not any(f" {m} " in text for m in fact.marks)]
+    random.Random(rng.randrange(2**31)).shuffle(filler)
+    for pieces in (_enough(tokenizer, filler, budget), filler):  # every section if the first ones leave a gap
+        document, offsets = _place(tokenizer, n_tokens, pieces, budget, [(depth, asked)], sep="\n\n")
+        sample = _sample("docs_qa", tokenizer, document, fact.question, [fact.answer], offsets, depth)
+        if sample.n_tokens >= 0.97 * n_tokens:
+            return sample
+    raise ValueError(f"the eval split's reference text fills only {sample.n_tokens} of {n_tokens} tokens "
+                     f"without repeating a section")
+
+
+def _enough(tokenizer, pieces: list[str], budget: int, spare: int = 100) -> list[str]:
+    """The first pieces: 20% more characters than `budget` tokens need (the rate read from the first
+    ones), then `spare` more, so that short pieces can fill the end of the budget."""
+    probe = "".join(pieces[:40])
+    want = budget * len(probe) / max(_count(tokenizer, probe), 1) * 1.2 + 400
+    size = 0
+    for n, piece in enumerate(pieces):
+        if size >= want:
+            return pieces[: n + spare]
+        size += len(piece)
+    return pieces
+
+
 OPENING = "I will ask you about this document later. For now, reply with OK."
 
 
@@ -436,15 +573,31 @@ def score_doc_qa(sample: Sample, output: str) -> bool:
     return f" {_norm(sample.answers[0])} " in f" {_norm(output)} "
 
 
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e[+-]?\d+)?(?!\w)", flags=re.I)
+
+
+def score_docs_qa(sample: Sample, output: str) -> bool:
+    """A name: the identifier appears whole, any case (`shlex.quote` counts for quote, quote_plus does not).
+    A number: one in the output has its value (1e-9 for 1e-09; 999 is not -999). A string: its letters
+    and digits appear as whole words, quotes, case and punctuation ignored ('utf-8' ~ UTF-8)."""
+    answer = sample.answers[0]
+    if answer.isidentifier():
+        return re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", output, flags=re.I) is not None
+    if answer[0] not in "'\"":
+        return any(Decimal(n) == Decimal(answer) for n in _NUMBER.findall(output))
+    return f" {_norm(answer)} " in f" {_norm(output)} "
+
+
 TASKS: dict[str, Callable[..., Sample]] = {
     "passkey": passkey, "niah_single": niah_single, "niah_multikey": niah_multikey,
     "niah_multivalue": niah_multivalue, "variable_tracking": variable_tracking,
-    "common_words": common_words, "doc_qa": doc_qa, "multiturn": multiturn,
+    "common_words": common_words, "doc_qa": doc_qa, "multiturn": multiturn, "docs_qa": docs_qa,
 }
 SCORERS: dict[str, Callable[[Sample, str], bool | float]] = {
     "passkey": score_passkey, "niah_single": score_needle, "niah_multikey": score_needle,
     "niah_multivalue": score_multivalue, "variable_tracking": score_variables,
     "common_words": score_common_words, "doc_qa": score_doc_qa, "multiturn": score_needle,
+    "docs_qa": score_docs_qa,
 }
 
 
