@@ -96,10 +96,16 @@ def _number(value, kind):
 
 
 def _quantized_weights(engine) -> str | None:
-    """The weights' quantization (int8/int4/nf4), or None: a float dtype is already in the fingerprint's `dtype`, so a
-    chat saved before the plan named fp32 explicitly keeps its cache."""
+    """The weights' quantization (int8/int4/nf4) and the layer type that holds it (CPU int4 was quanto's groups of
+    128 before it was torch's packed groups of 32: other weights, so another cache), or None: a float dtype is
+    already in the fingerprint's `dtype`, so a chat saved before the plan named fp32 explicitly keeps its cache."""
+    from localchat.engine.heads import attention_modules
+
     weights = getattr(engine, "weights", None)
-    return None if weights in (None, "fp32", "bf16", "fp16") else weights
+    if weights in (None, "fp32", "bf16", "fp16"):
+        return None
+    attn = attention_modules(engine.model)[0]
+    return f"{weights} {type(getattr(attn, 'q_proj', None) or attn.qkv_proj).__name__}"
 
 
 def fingerprint(engine) -> str:

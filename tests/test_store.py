@@ -82,6 +82,33 @@ def test_a_saved_cache_is_not_reused_with_other_settings(engine, tmp_path):
     assert isinstance(done, Done) and done.prompt_tokens > 300  # the whole conversation, once
 
 
+def test_a_cache_saved_with_other_int4_weights_is_reread(tiny_tok, tmp_path):
+    """`--weights int4` on the CPU was quanto's groups of 128 before torch's packed groups of 32: other weights,
+    so a cache saved with one is re-read, not reused, with the other."""
+    from optimum.quanto import freeze, qint4, quantize
+
+    from localchat.engine.quantize import quantize_after_load
+
+    def int4_engine(packed: bool) -> Engine:
+        e = Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", chunk=32)
+        if packed:
+            quantize_after_load(e.model, "int4", torch.device("cpu"))
+        else:
+            with torch.inference_mode():
+                quantize(e.model, weights=qint4, exclude=["lm_head"])
+                freeze(e.model)
+        e.weights = "int4"
+        e.set_policy(make_policy("streaming", budget=40, local=8))
+        return e
+
+    store = Store(tmp_path / "c.sqlite3")
+    store.save(_chat(int4_engine(packed=False), tmp_path), "x")
+    again, notices = store.load("x", int4_engine(packed=False))
+    assert notices == []  # the same weights: the cache is reused
+    _, notices = store.load("x", int4_engine(packed=True))
+    assert len(notices) == 1 and "another model, policy" in notices[0]
+
+
 def test_a_corrupt_cache_file_means_a_notice_and_a_reread(engine, tmp_path):
     store = Store(tmp_path / "c.sqlite3")
     store.save(_chat(engine, tmp_path), "x")

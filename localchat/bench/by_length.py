@@ -51,12 +51,13 @@ def table(rows: list[dict], task: str) -> list[str]:
 def plot(plt, rows: list[dict], task: str, budget: int, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     policies = _ordered(r["policy"] for r in rows)
-    for i, (policy, per) in enumerate(sorted(cells(rows, task).items(), key=lambda kv: policies.index(kv[0]))):
+    by_policy = cells(rows, task)
+    for policy, per in sorted(by_policy.items(), key=lambda kv: policies.index(kv[0])):
         xs = sorted(per)
         label = policy if policy.startswith("full") else f"{policy} b={budget}"
         ax.plot(xs, [mean(per[n]) for n in xs], marker="o", label=label, **series_style(policies.index(policy)))
     ax.set_xscale("log", base=2)
-    lengths = sorted({n for per in cells(rows, task).values() for n in per})
+    lengths = sorted({n for per in by_policy.values() for n in per})
     ax.set_xticks(lengths, [f"{n / 1024:g}K" for n in lengths])
     ax.minorticks_off()
     ax.set(title=f"{task}: accuracy vs document length", xlabel="document tokens", ylabel="accuracy",

@@ -43,7 +43,7 @@ class LlamaCpp:
 
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, logits_all=False, verbose=False)
-        self.path = Path(gguf)
+        self.tokens: list[int] = []  # the last run's greedy answer, for a check against ours
 
     def run(self, ids: list[int], new: int) -> dict:
         import numpy as np
@@ -56,7 +56,7 @@ class LlamaCpp:
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         vocab = llm.n_vocab()
-        self.tokens: list[int] = []  # the greedy answer, for a check against ours
+        self.tokens = []
         for i in range(new):
             logits = np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))  # the last token's
             token = int(np.argmax(logits))

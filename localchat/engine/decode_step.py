@@ -69,7 +69,7 @@ class DecodeStep:
         self.head_dim = first.head_dim
         self.q_heads = model.config.num_attention_heads
         self.kv_heads = model.config.num_key_value_heads
-        self.group = model.config.num_attention_heads // self.kv_heads
+        self.group = self.q_heads // self.kv_heads
         self.q_norm = hasattr(first, "q_norm")  # Qwen3 normalises q and k per head before RoPE
 
     @torch.inference_mode()

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import torch
 
-from localchat.engine import decode_step, loading
+from localchat.engine import loading
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard
-from localchat.engine.decode_step import DecodeStep
+from localchat.engine.decode_step import DecodeStep, supported as lean_supported
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
 from localchat.engine.policies import PLAIN_POLICY, Policy, make_policy
@@ -204,7 +204,7 @@ class Engine:
             t1 = time.perf_counter()
             if self.fused_decode:  # a quantized cache is read packed while decoding
                 fused = FusedDecode(self.model, cache)
-            lean = DecodeStep(self.model, cache) if self.lean_decode and decode_step.supported(self.model, cache) \
+            lean = DecodeStep(self.model, cache) if self.lean_decode and lean_supported(self.model, cache) \
                 else None
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
