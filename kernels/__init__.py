@@ -7,6 +7,9 @@
 | `evict.gather_rotate_rest` | the same for bf16/fp16 keys that carry an int8 rounding remainder (`keyrest.py`): rotated from key + remainder, split again | gather + `keyrest.join` + `rope.shift_keys` + `keyrest.split` |
 | `evict.select` | top-b per KV head of every layer in one batched top-k + sort (torch on every device) | one top-k + sort per layer |
 
+Two CPU-only modules sit beside them: `packed.py` (int8/int4 weight-only linear layers on torch's packed CPU
+kernels) and `cpu_decode.py` (the decode step's C++ kernels, built once per machine; torch's ops stand in).
+
 Dispatch is chosen once, at first use: Triton when CUDA and Triton are both present, the twin elsewhere.
 `LOCALCHAT_KERNELS=torch` forces the twins; `LOCALCHAT_KERNELS=triton` with `TRITON_INTERPRET=1` runs the
 kernels on CPU tensors through Triton's interpreter (slow: for tests). Without that pair a kernel is only

@@ -13,6 +13,7 @@ from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
 from localchat.engine.prefill import forward, prefill
 from localchat.engine.sampling import GenerationSettings
+from localchat.kernels import cpu_decode
 from tiny import ARCHITECTURES, tiny_architecture, tiny_tokenizer
 
 LEAN = ["llama", "mistral", "qwen2", "qwen3"]  # Llama's layer layout; Phi-3 fuses q/k/v and keeps transformers'
@@ -39,27 +40,52 @@ def _read(engine, model, ids):
             return cache, stop.value
 
 
+PATHS = ["layers", "ops", "torch"]  # a C++ call per layer; C++ attention and norms between torch ops; torch only
+
+
+def _path(monkeypatch, path):
+    """Make DecodeStep take `path` (kernels/cpu_decode.py builds the C++ kernels; they must build here)."""
+    assert cpu_decode.kernels() is not None, cpu_decode.reason()
+    if path == "ops":
+        monkeypatch.setattr(decode_step, "_layer_plan", lambda *a: None)
+    elif path == "torch":
+        monkeypatch.setattr(cpu_decode, "kernels", lambda: None)
+
+
+def _took(step: DecodeStep) -> str:
+    return "layers" if step.plans is not None else "ops" if step.kernels is not None else "torch"
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("arch", LEAN)
-def test_a_step_gives_transformers_logits_and_cache(arch, tok):
-    """Steps after a LOCRET read at compact positions (so RoPE slots, not true positions): logits, keys, values
-    and positions as transformers' forward leaves them, step after step."""
+def test_a_step_gives_transformers_logits_and_cache(arch, path, tok, monkeypatch):
+    """Steps after a LOCRET read at compact positions (so RoPE slots, not true positions): logits, keys, values,
+    positions and the retaining heads' scores of the new units as transformers' forward leaves them, step after
+    step, on each way through a step (Qwen3's per-head q/k norms keep torch's ops)."""
+    _path(monkeypatch, path)
     model = tiny_architecture(arch, len(tok))
     engine = Engine(model, tok, chunk=32, policy=_locret(model))
     ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1))
     ours, _ = _read(engine, model, ids)
     theirs, _ = _read(engine, model, ids)
     assert decode_step.supported(model, ours)
-    lean = DecodeStep(model, ours)
+    policy = engine.policy
+    lean = DecodeStep(model, ours, on_qkv=policy.qkv_sink())
+    assert _took(lean) == ("torch" if arch == "qwen3" else path)
     for i, token in enumerate([5, 17, 9, 40]):
         step = torch.tensor([[token]])
-        a = lean.step(step, 200 + i)
-        b = forward(model, theirs, step, 200 + i)
+        a = lean.step(step, 200 + i)  # q/k/v reach the retaining heads through `qkv_sink`
+        policy._flush(ours)
+        b = forward(model, theirs, step, 200 + i)  # through the hooked projections
+        policy._flush(theirs)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for x, y in zip(ours.layers, theirs.layers):
         torch.testing.assert_close(x.keys, y.keys, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(x.values, y.values, rtol=1e-5, atol=1e-6)
         assert torch.equal(x.positions, y.positions)
-    engine.policy.detach()
+        assert x.scores[:, -4:].abs().sum() > 0  # the decoded units were scored
+        torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
+    policy.detach()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

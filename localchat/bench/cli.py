@@ -272,7 +272,7 @@ def _run_decode(args) -> int:
     f = flags(args)
     config = DecodeConfig(out=Path(args.out), model=f["model"], weights=parse_list(args.decode_weights, "weights"),
                           length=parse_length(args.length), budget=args.budget, chunk=f["chunk"],
-                          heads=f["heads"] or "random", decode_tokens=args.decode_tokens, repeat=args.repeat,
+                          heads=f["heads"], decode_tokens=args.decode_tokens, repeat=args.repeat,
                           seed=f["seed"] or 0, peer=args.peer,
                           command=shlex.join(["localchat", "bench", *sys.argv[sys.argv.index("decode"):]])
                           if "decode" in sys.argv else "localchat bench decode")
@@ -293,7 +293,7 @@ def _run_perf(args) -> int:
     config = PerfConfig(
         out=Path(args.out), model=f["model"], chunk=f["chunk"],
         length=parse_length(args.length), lengths=doubling(low, high), budget=args.budget,
-        heads=f["heads"] or "random", decode_tokens=args.decode_tokens,
+        heads=f["heads"], decode_tokens=args.decode_tokens,
         seed=f["seed"] or 0, repeat=args.repeat, command=_command(args, perf=True),
     )
     path = run_perf(config, say=_say)

@@ -5,7 +5,8 @@ weights: LOCRET (compact positions, `budget`) answering after a `length`-token d
 tokens/s), the same through transformers' forward at every step (`lean_decode` off: what engine/decode_step.py
 saves), and the floor, full attention after a 64-token prompt (a cache that is almost empty: what the weights
 alone cost a step). Each number is the median over the repeats; the single runs are kept in decode.json.
-Speed does not depend on the heads' weights, only on their size: `--heads random` is the default.
+Speed does not depend on the heads' weights, only on their size: by default the model's shipped heads (what a user
+decodes with; SmolLM2's have d_R=256), `--heads random` gives untrained ones of the paper's d_R=1024.
 
 `--peer llama.cpp` adds llama.cpp on the same GGUF file and prompt tokens, in the same repeats (bench/peer.py):
 its read and decode after the whole document (full f16 KV cache), and its decode after only as many prompt
@@ -38,7 +39,7 @@ class DecodeConfig:
     length: int = 7600
     budget: int | None = None
     chunk: int | None = None
-    heads: str = "random"
+    heads: str | None = None  # None: the model's shipped heads
     decode_tokens: int = 64
     repeat: int = 3
     seed: int = 0
@@ -134,7 +135,7 @@ def markdown(result: dict) -> str:
     lines = [f"# Decode speed by weight precision: {s['model']} on {s['device']}, {s['threads']} threads", "",
              f"Command: `{result['command']}`", "",
              f"Document {s['length']:,} tokens, chunk {s['chunk']}, {s['decode_tokens']} greedy tokens decoded "
-             f"(EOS ignored), medians of {s['repeat']} interleaved runs, heads {s['heads']} (speed only), "
+             f"(EOS ignored), medians of {s['repeat']} interleaved runs, heads {s['heads'] or 'shipped'} (speed only), "
              f"{s['date']}.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in result["rows"]:

@@ -16,6 +16,7 @@ from localchat.engine import loading
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard
 from localchat.engine.decode_step import DecodeStep, supported as lean_supported
+from localchat.kernels import cpu_decode
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
 from localchat.engine.policies import PLAIN_POLICY, Policy, make_policy
@@ -60,6 +61,8 @@ class Engine:
         engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk,
                      policy=policy, positions=positions, kv=kv)
         engine.weights = weights
+        if engine.device.type == "cpu" and engine.lean_decode:
+            cpu_decode.prepare(say)
         return engine
 
     def set_policy(self, policy: Policy, positions: str | None = None) -> None:
@@ -204,7 +207,7 @@ class Engine:
             t1 = time.perf_counter()
             if self.fused_decode:  # a quantized cache is read packed while decoding
                 fused = FusedDecode(self.model, cache)
-            lean = DecodeStep(self.model, cache) if self.lean_decode and lean_supported(self.model, cache) \
+            lean = DecodeStep(self.model, cache, on_qkv=p.qkv_sink()) if self.lean_decode and lean_supported(self.model, cache) \
                 else None
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left

@@ -204,9 +204,10 @@ class HeadScorer:
         self.dtype = next(self.heads.parameters()).dtype
         self.new: list[torch.Tensor | None] = [None] * len(heads.layers)
         self.queue: list[list[torch.Tensor]] = [[] for _ in heads.layers]
-        self.handles = hook_qkv(model, self._score)
+        self.handles = hook_qkv(model, self.take_qkv)
 
-    def _score(self, i: int, qkv: torch.Tensor) -> None:
+    def take_qkv(self, i: int, qkv: torch.Tensor) -> None:
+        """Layer i's pre-RoPE q/k/v `[T, (H_q + 2 H_kv) d]` (what the hooks give)."""
         if qkv.shape[0] == 1:
             self.queue[i].append(qkv)
         else:

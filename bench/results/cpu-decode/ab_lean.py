@@ -16,7 +16,7 @@ with torch.inference_mode():
     try:
         while True: next(g)
     except StopIteration: pass
-    lean = DecodeStep(m, cache); tok = torch.tensor([[123]]); pos = [2000]
+    lean = DecodeStep(m, cache, on_qkv=p.qkv_sink()); tok = torch.tensor([[123]]); pos = [2000]
     def run(use, n=48):
         t = time.perf_counter()
         for _ in range(n):

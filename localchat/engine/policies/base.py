@@ -120,6 +120,11 @@ class Policy:
     def notice(self) -> str | None:
         return None
 
+    def qkv_sink(self):
+        """`(layer_idx, qkv)` -> None taking a decoded token's pre-RoPE q/k/v `[1, (H_q + 2 H_kv) d]` in place of
+        this policy's hooks on the q/k/v projections (engine/decode_step.py joins them), or None: no such hooks."""
+        return None
+
     def detach(self) -> None:
         pass
 

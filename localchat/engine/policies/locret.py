@@ -77,6 +77,9 @@ class Locret(Policy):
             self._flush(self.cache)
         return layer.scores
 
+    def qkv_sink(self):
+        return self.scorer.take_qkv
+
     def protected_recent(self, last_chunk: bool) -> int:
         return 0 if last_chunk else self.stabilizers
 

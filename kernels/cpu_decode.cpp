@@ -1,0 +1,228 @@
+// Decode-step kernels for the CPU (kernels/cpu_decode.py builds this file once per machine).
+//
+// decode_attention: one decoded token's queries against the kept units of one layer. torch's CPU SDPA runs
+// this shape (3 KV heads x 3 queries x ~1,100 units for SmolLM2) at a third of memory speed: it splits the work
+// by head only, and multiplies 3-row blocks. Here each KV head's units are split into ranges, every range
+// scores its units for the head's queries, softmaxes them locally and sums its values; the ranges merge by
+// their maxima and sums (the same result, in another summation order).
+//
+// rms_norm: x * rsqrt(mean(x^2) + eps) * w over the last dim, fp32, in one pass per row (torch's eager CPU
+// op is seven).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMinUnits = 64;  // units per range at least: smaller ranges cost more to merge than they save
+
+struct Partial {  // one range's softmax state for every query of its head
+  std::vector<float> max, sum, out;  // [G], [G], [G * D]
+};
+
+void attend_range(const float* q, const float* k, const float* v, int64_t k_stride, int64_t v_stride,
+                  int64_t lo, int64_t hi, int64_t G, int64_t D, float scale, Partial& p, std::vector<float>& s) {
+  const int64_t len = hi - lo;
+  s.resize(G * len);
+  for (int64_t j = 0; j < len; ++j) {
+    const float* kj = k + (lo + j) * k_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t e = 0; e < D; ++e) acc += qg[e] * kj[e];
+      s[g * len + j] = acc * scale;
+    }
+  }
+  p.max.assign(G, -INFINITY);
+  p.sum.assign(G, 0.f);
+  p.out.assign(G * D, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s.data() + g * len;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) m = std::max(m, sg[j]);
+    float total = 0.f;
+    for (int64_t j = 0; j < len; ++j) {
+      sg[j] = std::exp(sg[j] - m);
+      total += sg[j];
+    }
+    p.max[g] = m;
+    p.sum[g] = total;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const float* vj = v + (lo + j) * v_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = s[g * len + j];
+      float* og = p.out.data() + g * D;
+#pragma omp simd
+      for (int64_t e = 0; e < D; ++e) og[e] += w * vj[e];
+    }
+  }
+}
+
+}  // namespace
+
+// q [H, G, D] (the G query heads of each of H KV heads); k, v [H, N, D] with unit stride in D (views of a
+// bigger cache are fine); all float32 on the CPU. Returns [H, G, D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q, k, v must be 3-d");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attention: float32 only");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "decode_attention: k and v need unit stride in the last dim");
+  q = q.contiguous();
+  const int64_t H = q.size(0), G = q.size(1), D = q.size(2), N = k.size(1);
+  TORCH_CHECK(k.size(0) == H && v.size(0) == H && k.size(2) == D && v.size(1) == N, "decode_attention: shapes");
+  TORCH_CHECK(N > 0, "decode_attention: no units");
+  const int64_t threads = at::get_num_threads();
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>((2 * threads + H - 1) / H, N / kMinUnits));
+  std::vector<Partial> parts(H * ranges);
+  const float* Q = q.data_ptr<float>();
+  const float* K = k.data_ptr<float>();
+  const float* V = v.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, H * ranges, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t h = t / ranges, r = t % ranges;
+      attend_range(Q + h * G * D, K + h * k.stride(0), V + h * v.stride(0), k.stride(1), v.stride(1),
+                   N * r / ranges, N * (r + 1) / ranges, G, D, sc, parts[t], s);
+    }
+  });
+  auto out = torch::empty({H, G, D}, q.options());
+  float* O = out.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -INFINITY;
+      for (int64_t r = 0; r < ranges; ++r) m = std::max(m, parts[h * ranges + r].max[g]);
+      float total = 0.f;
+      float* og = O + (h * G + g) * D;
+      std::fill(og, og + D, 0.f);
+      for (int64_t r = 0; r < ranges; ++r) {
+        const Partial& p = parts[h * ranges + r];
+        const float w = std::exp(p.max[g] - m);
+        total += w * p.sum[g];
+        const float* po = p.out.data() + g * D;
+        for (int64_t e = 0; e < D; ++e) og[e] += w * po[e];
+      }
+      for (int64_t e = 0; e < D; ++e) og[e] /= total;
+    }
+  }
+  return out;
+}
+
+// One layer's attention step for a decoded token, from its projections on: rotate q and k (RoPE, rotate-half
+// layout: cos/sin [D] for the token's position), write k and v into the cache buffers at `slot`, and attend
+// over units 0..slot. qkv [1, (Hq + 2 Hkv) D]; k_cache, v_cache [1, Hkv, capacity, D] (capacity > slot).
+// Returns [1, Hq * D] in the query heads' order.
+torch::Tensor attend_token(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                           torch::Tensor v_cache, int64_t slot, double scale, int64_t heads_q, int64_t heads_kv) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat, "attend_token: float32 only");
+  const int64_t D = k_cache.size(3), half = D / 2, G = heads_q / heads_kv;
+  TORCH_CHECK(qkv.numel() == (heads_q + 2 * heads_kv) * D && k_cache.size(1) == heads_kv, "attend_token: shapes");
+  TORCH_CHECK(slot >= 0 && slot < k_cache.size(2) && slot < v_cache.size(2), "attend_token: slot outside the cache");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "attend_token: cache needs unit stride");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const float* X = qkv.data_ptr<float>();
+  const float* C = cos.data_ptr<float>();
+  const float* S = sin.data_ptr<float>();
+  auto rotate = [&](const float* x, float* y) {
+    for (int64_t e = 0; e < half; ++e) {
+      y[e] = x[e] * C[e] - x[e + half] * S[e];
+      y[e + half] = x[e + half] * C[e + half] + x[e] * S[e + half];
+    }
+  };
+  auto q = torch::empty({heads_kv, G, D}, qkv.options());
+  float* Q = q.data_ptr<float>();
+  for (int64_t h = 0; h < heads_q; ++h) rotate(X + h * D, Q + h * D);
+  float* K = k_cache.data_ptr<float>();
+  float* V = v_cache.data_ptr<float>();
+  for (int64_t h = 0; h < heads_kv; ++h) {
+    rotate(X + (heads_q + h) * D, K + h * k_cache.stride(1) + slot * k_cache.stride(2));
+    const float* v = X + (heads_q + heads_kv + h) * D;
+    std::copy(v, v + D, V + h * v_cache.stride(1) + slot * v_cache.stride(2));
+  }
+  auto keys = k_cache[0].narrow(1, 0, slot + 1);
+  auto values = v_cache[0].narrow(1, 0, slot + 1);
+  return decode_attention(q, keys, values, scale).reshape({1, heads_q * D});
+}
+
+// x [..., D] and w [D] float32; returns x * rsqrt(mean(x^2, -1) + eps) * w.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32 only");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  TORCH_CHECK(w.numel() == D, "rms_norm: weight size");
+  auto out = torch::empty_like(x);
+  const float* X = x.data_ptr<float>();
+  const float* W = w.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = X + r * D;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t e = 0; e < D; ++e) squares += xr[e] * xr[e];
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(D) + static_cast<float>(eps));
+    float* orow = O + r * D;
+#pragma omp simd
+    for (int64_t e = 0; e < D; ++e) orow[e] = xr[e] * inv * W[e];
+  }
+  return out;
+}
+
+namespace {
+
+// y = x W^T (+ b) for a [1, K] float32 row: float32 weights (bits 32), or torch's packed int8 / int4 weight-only
+// kernels on bfloat16 input (kernels/packed.py: codes, scales; int4 in groups of `group`, rows padded to `out`+).
+at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& bias,
+                      int64_t bits, int64_t out, int64_t group) {
+  at::Tensor y;
+  if (bits == 32) {
+    y = at::linear(x, w);
+  } else {
+    const auto xb = x.to(at::kBFloat16);
+    y = bits == 8 ? at::_weight_int8pack_mm(xb, w, scales) : at::_weight_int4pack_mm_for_cpu(xb, w, group, scales);
+    if (y.size(-1) != out) y = y.narrow(-1, 0, out);
+    y = y.to(at::kFloat);
+  }
+  if (bias.numel()) y = y + bias.to(at::kFloat);
+  return y;
+}
+
+}  // namespace
+
+// One decoder layer of a Llama-layout model (pre-norm attention and SwiGLU MLP) for one decoded token.
+// h [1, hidden] float32. weights: 7 linears (q, k, v, o, gate, up, down) x {weight or codes, scales, bias}
+// (empty tensors where absent); meta: 7 x {bits, out_features, group}. Writes the token's K and V at `slot` of
+// k_cache / v_cache. Returns {h after the layer, the pre-RoPE qkv [1, (Hq + 2 Hkv) D]}.
+std::vector<torch::Tensor> layer_step(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps,
+                                      std::vector<torch::Tensor> weights, std::vector<int64_t> meta,
+                                      torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, int64_t slot, double scale, int64_t heads_q,
+                                      int64_t heads_kv) {
+  TORCH_CHECK(weights.size() == 21 && meta.size() == 21, "layer_step: 7 linears of 3 tensors and 3 numbers");
+  auto lin = [&](int i, const at::Tensor& x) {
+    return linear_row(x, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], meta[3 * i], meta[3 * i + 1],
+                      meta[3 * i + 2]);
+  };
+  const auto x = rms_norm(h, norm_in, eps);
+  auto qkv = at::cat({lin(0, x), lin(1, x), lin(2, x)}, -1);
+  auto attn = attend_token(qkv, cos, sin, k_cache, v_cache, slot, scale, heads_q, heads_kv);
+  h = h + lin(3, attn);
+  const auto y = rms_norm(h, norm_post, eps);
+  h = h + lin(6, at::silu(lin(4, y)) * lin(5, y));
+  return {h, qkv};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("layer_step", &layer_step, "one decoder layer for one decoded token");
+  m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32");
+  m.def("attend_token", &attend_token, "RoPE, cache write and attention of one decoded token for one layer");
+}

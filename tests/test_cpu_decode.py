@@ -1,0 +1,71 @@
+"""kernels/cpu_decode.cpp: the CPU decode step's C++ kernels against torch's own ops.
+
+They are built here (g++ and ninja, as torch.compile's CPU backend needs); a machine without a compiler gets
+torch's ops, which tests/test_decode_step.py runs too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from localchat.engine.decode_step import _rotate
+from localchat.kernels import cpu_decode
+
+
+@pytest.fixture(scope="module")
+def native():
+    mod = cpu_decode.kernels()
+    assert mod is not None, f"the C++ kernels did not build: {cpu_decode.reason()}"
+    return mod
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 1500])
+def test_attention_matches_sdpa_on_views_of_a_bigger_cache(native, n):
+    g = torch.Generator().manual_seed(n)
+    keys = torch.randn(1, 3, 1600, 64, generator=g) * 3
+    values = torch.randn(1, 3, 1600, 64, generator=g)
+    q = (torch.randn(1, 12, 1, 64, generator=g) * 3)[:, :9].reshape(1, 3, 3, 64)  # a slice, as the step has it
+    want = F.scaled_dot_product_attention(q, keys[:, :, :n], values[:, :, :n], scale=0.125)
+    got = cpu_decode.attention(q, keys[:, :, :n], values[:, :, :n], 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_attention_declines_what_it_does_not_serve(native):
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 5, 8)
+    assert cpu_decode.attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 1.0) is None
+    assert cpu_decode.attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), k, 1.0) is None  # d not unit stride
+
+
+def test_rms_norm_matches_torch(native):
+    x, w = torch.randn(2, 3, 576) * 4, torch.randn(576)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_attend_token_rotates_writes_the_slot_and_attends_over_it(native):
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, slot = 4, 2, 16, 9
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, generator=g)
+    angles = torch.rand(d // 2, generator=g) * 3
+    cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
+    k_cache, v_cache = torch.randn(1, hkv, 32, d, generator=g), torch.randn(1, hkv, 32, d, generator=g)
+    before = k_cache.clone()
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = _rotate(q.view(hq, d), cos, sin), _rotate(k.view(hkv, d), cos, sin)
+    out = native.attend_token(qkv, cos, sin, k_cache, v_cache, slot, 0.25, hq, hkv)
+    torch.testing.assert_close(k_cache[0, :, slot], k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(v_cache[0, :, slot], v.view(hkv, d))
+    assert torch.equal(k_cache[:, :, :slot], before[:, :, :slot]) and torch.equal(k_cache[:, :, slot + 1:], before[:, :, slot + 1:])
+    want = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), k_cache[:, :, : slot + 1], v_cache[:, :, : slot + 1],
+                                          scale=0.25)
+    torch.testing.assert_close(out, want.reshape(1, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_a_build_that_cannot_happen_leaves_torchs_ops_and_says_why(monkeypatch):
+    monkeypatch.setattr(cpu_decode, "kernels", cpu_decode.kernels.__wrapped__)  # uncached: build (or load) again
+    monkeypatch.setenv("LOCALCHAT_CPU_KERNELS", "0")
+    assert cpu_decode.kernels() is None and cpu_decode.reason() == "LOCALCHAT_CPU_KERNELS=0"
+    monkeypatch.delenv("LOCALCHAT_CPU_KERNELS")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no compiler, no ninja
+    monkeypatch.setattr(cpu_decode, "build_dir", lambda: __import__("pathlib").Path("/proc/no-such-dir"))
+    assert cpu_decode.kernels() is None and cpu_decode.reason()
