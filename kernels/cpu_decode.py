@@ -87,7 +87,7 @@ def build(where: Path) -> None:
 def prepare(say) -> None:
     """Build or load the kernels now (while a model loads, not at the first answer); `say` a line when the first
     build starts (about 30 s on 2 cores) and when torch's ops stand in."""
-    if kernels.cache_info().currsize == 0 and os.environ.get("LOCALCHAT_CPU_KERNELS", "1") != "0":
+    if os.environ.get("LOCALCHAT_CPU_KERNELS", "1") != "0":
         try:
             fresh = not (build_dir() / f"{NAME}.so").is_file()
         except Exception:  # noqa: BLE001 - an unusable cache dir: kernels() says so below

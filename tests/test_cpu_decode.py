@@ -66,6 +66,14 @@ def test_a_build_that_cannot_happen_leaves_torchs_ops_and_says_why(monkeypatch):
     monkeypatch.setenv("LOCALCHAT_CPU_KERNELS", "0")
     assert cpu_decode.kernels() is None and cpu_decode.reason() == "LOCALCHAT_CPU_KERNELS=0"
     monkeypatch.delenv("LOCALCHAT_CPU_KERNELS")
-    monkeypatch.setenv("PATH", "/nonexistent")  # no compiler, no ninja
     monkeypatch.setattr(cpu_decode, "build_dir", lambda: __import__("pathlib").Path("/proc/no-such-dir"))
     assert cpu_decode.kernels() is None and cpu_decode.reason()
+
+
+def test_loading_a_model_says_it_builds_and_then_that_torchs_ops_stand_in(monkeypatch):
+    said = []
+    monkeypatch.setattr(cpu_decode, "kernels", cpu_decode.kernels.__wrapped__)
+    monkeypatch.setattr(cpu_decode, "build_dir", lambda: __import__("pathlib").Path("/proc/no-such-dir"))
+    cpu_decode.prepare(said.append)
+    assert len(said) == 2 and said[0].startswith("building the CPU decode kernels")
+    assert said[1].startswith("CPU decode kernels unavailable (") and "torch's ops" in said[1]

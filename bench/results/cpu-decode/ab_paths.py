@@ -1,0 +1,60 @@
+"""The decode step's three ways (engine/decode_step.py) on one cache, alternating: C++ per layer, C++ attention
+and norms between torch ops, torch only. Usage: python bench/results/cpu-decode/ab_paths.py {int4,int8,fp32}"""
+import statistics
+import sys
+import time
+
+import torch
+
+from localchat.bench.cell import Cell, use_policy
+from localchat.engine import decode_step
+from localchat.engine.decode_step import DecodeStep
+from localchat.engine.engine import Engine
+from localchat.engine.prefill import prefill
+from localchat.kernels import cpu_decode
+
+torch.set_num_threads(2)
+w = sys.argv[1]
+cell = Cell(task="niah_single", length=2048, policy="locret", budget=1024, n=1, seed=0, model_spec=None, heads=None,
+            chunk=512, positions="compact", max_new_tokens=64)
+eng = Engine.load(None, weights=None if w == "fp32" else w, chunk=512, say=lambda s: None)
+use_policy(eng, cell)
+model, policy = eng.model, eng.policy
+ids = torch.randint(100, 40000, (1, 2000), generator=torch.Generator().manual_seed(0))
+cache = eng.new_cache(2000, 64)
+policy.attach(model, cache)
+with torch.inference_mode():
+    run = prefill(model, cache, ids, chunk=512, policy=policy)
+    while True:
+        try:
+            next(run)
+        except StopIteration:
+            break
+    steps = {"layers": DecodeStep(model, cache, on_qkv=policy.qkv_sink())}
+    plan, decode_step._layer_plan = decode_step._layer_plan, lambda *a: None
+    steps["ops"] = DecodeStep(model, cache, on_qkv=policy.qkv_sink())
+    decode_step._layer_plan, native = plan, cpu_decode.kernels
+    cpu_decode.kernels = lambda: None
+    steps["torch"] = DecodeStep(model, cache, on_qkv=policy.qkv_sink())
+    cpu_decode.kernels = native
+    assert steps["layers"].plans is not None and steps["ops"].kernels is not None and steps["torch"].kernels is None
+    token = torch.tensor([[123]])
+
+    def rate(step, n=40):
+        t = time.perf_counter()
+        for i in range(n):
+            step.step(token, 2000 + i)
+            for layer in cache.layers:  # the same cache length every step
+                layer.n -= 1
+                layer._publish()
+        policy.scorer.queue = [[] for _ in policy.scorer.queue]
+        return n / (time.perf_counter() - t)
+
+    for step in steps.values():
+        rate(step, 5)
+    rates = {name: [] for name in steps}
+    for _ in range(6):
+        for name, step in steps.items():
+            rates[name].append(rate(step))
+print(f"{w}, {cache.get_seq_length()} kept units, tok/s per 40-step run (median):",
+      " | ".join(f"{name} {statistics.median(r):.1f} {[round(x, 1) for x in r]}" for name, r in rates.items()))
