@@ -180,13 +180,13 @@ namespace {
 
 // y = x W^T (+ b) for a [1, K] float32 row: float32 weights (bits 32), or torch's packed int8 / int4 weight-only
 // kernels on bfloat16 input (kernels/packed.py: codes, scales; int4 in groups of `group`, rows padded to `out`+).
-at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& bias,
-                      int64_t bits, int64_t out, int64_t group) {
+// `xb` is x in bfloat16 (cast once for the products that share x).
+at::Tensor linear_row(const at::Tensor& x, const at::Tensor& xb, const at::Tensor& w, const at::Tensor& scales,
+                      const at::Tensor& bias, int64_t bits, int64_t out, int64_t group) {
   at::Tensor y;
   if (bits == 32) {
     y = at::linear(x, w);
   } else {
-    const auto xb = x.to(at::kBFloat16);
     y = bits == 8 ? at::_weight_int8pack_mm(xb, w, scales) : at::_weight_int4pack_mm_for_cpu(xb, w, group, scales);
     if (y.size(-1) != out) y = y.narrow(-1, 0, out);
     y = y.to(at::kFloat);
@@ -200,23 +200,34 @@ at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // One decoder layer of a Llama-layout model (pre-norm attention and SwiGLU MLP) for one decoded token.
 // h [1, hidden] float32. weights: 7 linears (q, k, v, o, gate, up, down) x {weight or codes, scales, bias}
 // (empty tensors where absent); meta: 7 x {bits, out_features, group}. Writes the token's K and V at `slot` of
-// k_cache / v_cache. Returns {h after the layer, the pre-RoPE qkv [1, (Hq + 2 Hkv) D]}.
+// k_cache / v_cache, and its score 0 and original position `position` at `slot` of scores / positions [H, cap].
+// Returns {h after the layer, the pre-RoPE qkv [1, (Hq + 2 Hkv) D]}.
 std::vector<torch::Tensor> layer_step(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps,
                                       std::vector<torch::Tensor> weights, std::vector<int64_t> meta,
                                       torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                                      torch::Tensor v_cache, int64_t slot, double scale, int64_t heads_q,
+                                      torch::Tensor v_cache, torch::Tensor scores, torch::Tensor positions,
+                                      int64_t slot, int64_t position, double scale, int64_t heads_q,
                                       int64_t heads_kv) {
   TORCH_CHECK(weights.size() == 21 && meta.size() == 21, "layer_step: 7 linears of 3 tensors and 3 numbers");
-  auto lin = [&](int i, const at::Tensor& x) {
-    return linear_row(x, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], meta[3 * i], meta[3 * i + 1],
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && positions.scalar_type() == at::kLong &&
+              slot < scores.size(1) && slot < positions.size(1), "layer_step: scores / positions");
+  auto lin = [&](int i, const at::Tensor& x, const at::Tensor& xb) {
+    return linear_row(x, xb, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], meta[3 * i], meta[3 * i + 1],
                       meta[3 * i + 2]);
   };
+  for (int64_t k = 0; k < scores.size(0); ++k) {
+    scores.data_ptr<float>()[k * scores.stride(0) + slot * scores.stride(1)] = 0.f;
+    positions.data_ptr<int64_t>()[k * positions.stride(0) + slot * positions.stride(1)] = position;
+  }
   const auto x = rms_norm(h, norm_in, eps);
-  auto qkv = at::cat({lin(0, x), lin(1, x), lin(2, x)}, -1);
-  auto attn = attend_token(qkv, cos, sin, k_cache, v_cache, slot, scale, heads_q, heads_kv);
-  h = h + lin(3, attn);
+  const auto xb = x.to(at::kBFloat16);
+  auto qkv = at::cat({lin(0, x, xb), lin(1, x, xb), lin(2, x, xb)}, -1);
+  const auto attn = attend_token(qkv, cos, sin, k_cache, v_cache, slot, scale, heads_q, heads_kv);
+  h = h + lin(3, attn, attn.to(at::kBFloat16));
   const auto y = rms_norm(h, norm_post, eps);
-  h = h + lin(6, at::silu(lin(4, y)) * lin(5, y));
+  const auto yb = y.to(at::kBFloat16);
+  const auto act = at::silu(lin(4, y, yb)) * lin(5, y, yb);
+  h = h + lin(6, act, act.to(at::kBFloat16));
   return {h, qkv};
 }
 

@@ -295,6 +295,7 @@ def test_decode_bench_rows_per_weights(tiny_dir, tmp_path):
         (["bench", "decode", "--out", "D", "--peer", "ollama"], "unknown --peer 'ollama'"),
         (["bench", "decode", "--out", "D", "--peer", "llama.cpp", "--model", "some/dir"], "reads GGUF files"),
         (["bench", "perf", "--out", "D", "--min-length", "9000", "--max-length", "4096"], "above --max-length"),
+        (["bench", "perf", "--out", "D", "--peer", "ollama"], "unknown --peer 'ollama'"),
         (["bench", "report", "/no/such/dir"], "no results.jsonl"),
     ],
 )
@@ -546,3 +547,23 @@ def test_decode_bench_peer_row_runs_llama_cpp_or_says_how_to_get_it(tmp_path):
         assert result["peer_rows"] == [{"row": "llama.cpp: not installed", "peer": "llama.cpp",
                                         "note": f"to measure it: {INSTALL}"}]
         assert INSTALL in (tmp_path / "decode.md").read_text()
+
+
+@pytest.mark.model
+def test_perf_bench_takes_the_same_peer(tmp_path):
+    """`bench perf --peer llama.cpp`: the peer's two rows in perf.json/perf.md beside full attention and LOCRET,
+    or the row naming the install command."""
+    from localchat.bench.peer import INSTALL, available
+
+    argv = ["bench", "perf", "--out", str(tmp_path), "--length", "1100", "--min-length", "1024", "--max-length",
+            "1024", "--budget", "64", "--chunk", "64", "--decode-tokens", "3", "--peer", "llama.cpp"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "perf.json").read_text())
+    md = (tmp_path / "perf.md").read_text()
+    if available():
+        whole, short = result["peer_rows"]
+        assert whole["prompt_tokens"] == result["side_by_side"][1]["prompt_tokens"]
+        assert short["prompt_tokens"] == result["side_by_side"][1]["kv_units_per_head"]
+        assert set(result["ratios_vs_peer"]) == {"full (ours)", "locret"} and "Row locret / llama.cpp" in md
+    else:
+        assert result["peer_rows"][0]["row"] == "llama.cpp: not installed" and INSTALL in md

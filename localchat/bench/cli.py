@@ -82,6 +82,8 @@ def add_parser(subparsers) -> None:
     perf.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded side by side (default 64)")
     perf.add_argument("--repeat", type=int, default=1,
                       help="measure every row this many times, interleaved; report the medians (default 1)")
+    perf.add_argument("--peer", default=None,
+                      help="also run llama.cpp on the same GGUF, in the same repeats (needs the [peers] extra)")
     _engine_flags(perf)
     dec = sub.add_parser("decode", help="decode speed by weight precision (fp32, int8, int4), one interleaved run")
     dec.add_argument("--out", help="directory for decode.json and decode.md")
@@ -293,8 +295,8 @@ def _run_perf(args) -> int:
     config = PerfConfig(
         out=Path(args.out), model=f["model"], chunk=f["chunk"],
         length=parse_length(args.length), lengths=doubling(low, high), budget=args.budget,
-        heads=f["heads"], decode_tokens=args.decode_tokens,
-        seed=f["seed"] or 0, repeat=args.repeat, command=_command(args, perf=True),
+        heads=f["heads"] or "random", decode_tokens=args.decode_tokens,
+        seed=f["seed"] or 0, repeat=args.repeat, peer=args.peer, command=_command(args, perf=True),
     )
     path = run_perf(config, say=_say)
     print(path.read_text(encoding="utf-8"))

@@ -24,7 +24,7 @@ import torch
 from localchat.bench import machine
 from localchat.bench.cell import Cell, load_engine, use_policy
 from localchat.bench.peer import check_peer, load_peer, missing_row, peer_rows
-from localchat.bench.perf import FLOOR_PROMPT, _prompt, _row, _run, median_row, write
+from localchat.bench.perf import FLOOR_PROMPT, _prompt, _row, _run, _vs_peer, median_row, peer_lines, write
 from localchat.bench.runner import default_chunk
 from localchat.errors import UserError
 
@@ -104,14 +104,9 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
         row["decode_vs_" + config.weights[0]] = round(row["decode_tok_s"] / ref["decode_tok_s"], 2)
     peer_out = [median_row([r[i] for r in peer_runs]) for i in range(2)] if peer_runs else \
         ([missing_row(config.peer)] if config.peer else [])
-    ratios = {}
-    if peer_runs:
-        whole, short = peer_out
-        for row in rows:
-            if row["row"].startswith("locret") and "transformers" not in row["row"]:
-                ratios[row["weights"]] = {"decode_vs_peer_at_locret_depth": round(row["decode_tok_s"] / short["decode_tok_s"], 2),
-                                          "decode_vs_peer_full": round(row["decode_tok_s"] / whole["decode_tok_s"], 2),
-                                          "prefill_vs_peer": round(row["prefill_tok_s"] / whole["prefill_tok_s"], 2)}
+    ratios = _vs_peer({row["weights"]: row for row in rows
+                       if row["row"].startswith("locret") and "transformers" not in row["row"]},
+                      peer_out if peer_runs else None)
     return {
         "command": config.command, "peer": config.peer, "peer_rows": peer_out, "peer_runs": peer_runs,
         "ratios_vs_peer": ratios,
@@ -140,17 +135,7 @@ def markdown(result: dict) -> str:
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in result["rows"]:
         lines.append("| " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
-    if result.get("peer_rows"):
-        lines += ["", "| peer row | prompt_tokens | prefill_tok_s | decode_tok_s | kv_units_per_head | note |",
-                  "|---|---|---|---|---|---|"]
-        for row in result["peer_rows"]:
-            lines.append("| " + " | ".join(str(row.get(c, "")) for c in
-                                             ("row", "prompt_tokens", "prefill_tok_s", "decode_tok_s",
-                                              "kv_units_per_head", "note")) + " |")
-        for w, r in result["ratios_vs_peer"].items():
-            lines.append(f"\nLOCRET {w} / {result['peer']}: decode {r['decode_vs_peer_at_locret_depth']}x its decode at "
-                         f"LOCRET's cache size, {r['decode_vs_peer_full']}x after the whole document; "
-                         f"prefill {r['prefill_vs_peer']}x.")
+    lines += peer_lines(result, "LOCRET")
     hw = result["hardware"]
     lines += ["", f"Hardware: {hw}", f"Versions: {result['versions']}", ""]
     return "\n".join(lines)

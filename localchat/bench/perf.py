@@ -54,6 +54,7 @@ class PerfConfig:
     scaling_decode_tokens: int = 16
     seed: int = 0
     repeat: int = 1
+    peer: str | None = None  # "llama.cpp": the same GGUF through llama-cpp-python in the same repeats (bench/peer.py)
     command: str = ""
 
 
@@ -147,7 +148,10 @@ def check(config: PerfConfig) -> None:
 
 
 def measure(config: PerfConfig, say=lambda s: None) -> dict:
+    from localchat.bench.peer import check_peer, load_peer, missing_row, peer_rows
+
     check(config)
+    check_peer(config.peer, config.model)
 
     def cell(policy: str, budget: int | None, positions: str) -> Cell:
         return Cell(task="niah_single", length=config.length, policy=policy, budget=budget, n=1, seed=config.seed,
@@ -164,7 +168,9 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
     def tag(rep: int) -> str:
         return f" (run {rep + 1}/{config.repeat})" if config.repeat > 1 else ""
 
-    runs: dict[str, list[list[dict]]] = {"side_by_side": [], "locret_scaling": [[] for _ in config.lengths]}
+    runs: dict[str, list[list[dict]]] = {"side_by_side": [], "locret_scaling": [[] for _ in config.lengths],
+                                         "peer": []}
+    peer = load_peer(config.peer, config.model, len(ids) + config.decode_tokens + 16, torch.get_num_threads())
     for rep in range(config.repeat):
         use_policy(engine, cell("full", None, "original"))
         say(f"perf: full, {len(ids)} tokens{tag(rep)}")
@@ -180,6 +186,9 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
         say(f"perf: locret b={budget}{tag(rep)}")
         locret = _row("locret", "locret", "compact", config.length, _run(engine, ids, config.decode_tokens))
         runs["side_by_side"].append([full, locret, hf, floor])
+        if peer is not None:
+            say(f"perf: {config.peer}{tag(rep)}")
+            runs["peer"].append(peer_rows(peer, config.peer, ids, locret["kv_units_per_head"], config.decode_tokens))
     prompts = [_prompt(engine, n, config.seed) for n in config.lengths]
     for rep in range(config.repeat):  # lengths interleaved: a drift of the machine's speed hits them all
         for n, prompt, reps in zip(config.lengths, prompts, runs["locret_scaling"]):
@@ -192,8 +201,11 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
     from localchat.engine.quantize import weight_bytes
 
     weights_mib = weight_bytes(engine.model) / 2**20
+    peer_out = [median_row([r[i] for r in runs["peer"]]) for i in range(2)] if runs["peer"] else \
+        ([missing_row(config.peer)] if config.peer else [])
     return {
-        "command": config.command,
+        "command": config.command, "peer": config.peer, "peer_rows": peer_out, "ratios_vs_peer": _vs_peer(
+            {"full (ours)": full, "locret": locret}, peer_out if runs["peer"] else None),
         "setup": {
             "model": engine.name, "model_spec": config.model, "device": engine.device.type, "chunk": engine.chunk,
             "length": config.length, "scaling_lengths": config.lengths, "decode_tokens": config.decode_tokens,
@@ -222,6 +234,33 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "total_ms_per_token_spread": round(max(per_token) / min(per_token) - 1, 3) if per_token else None,
         },
     }
+
+
+def _vs_peer(rows: dict[str, dict], peer: list[dict] | None) -> dict:
+    """Each row's decode against the peer's at the row's own cache size and after the whole document, and its
+    prefill against the peer's."""
+    if not peer:
+        return {}
+    whole, short = peer
+    return {name: {"decode_vs_peer_at_locret_depth": round(r["decode_tok_s"] / short["decode_tok_s"], 2),
+                   "decode_vs_peer_full": round(r["decode_tok_s"] / whole["decode_tok_s"], 2),
+                   "prefill_vs_peer": round(r["prefill_tok_s"] / whole["prefill_tok_s"], 2)} for name, r in rows.items()}
+
+
+def peer_lines(result: dict, what: str) -> list[str]:
+    """The peer's rows and each `what` row's ratios to them, as markdown (empty without a peer)."""
+    if not result.get("peer_rows"):
+        return []
+    lines = ["", "| peer row | prompt_tokens | prefill_tok_s | decode_tok_s | kv_units_per_head | note |",
+             "|---|---|---|---|---|---|"]
+    for row in result["peer_rows"]:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in ("row", "prompt_tokens", "prefill_tok_s",
+                                                                     "decode_tok_s", "kv_units_per_head", "note")) + " |")
+    for name, r in result["ratios_vs_peer"].items():
+        lines.append(f"\n{what} {name} / {result['peer']}: decode {r['decode_vs_peer_at_locret_depth']}x its decode "
+                     f"at LOCRET's cache size, {r['decode_vs_peer_full']}x after the whole document; "
+                     f"prefill {r['prefill_vs_peer']}x.")
+    return lines
 
 
 COLUMNS = ["row", "positions", "length", "prompt_tokens", "prefill_tok_s", "prefill_ms_per_token", "decode_tok_s",
@@ -259,6 +298,7 @@ def markdown(result: dict) -> str:
         f"{result['weights_mib']} MiB of weights) decodes {r['decode_floor_vs_full']}x faster than `full (ours)`; "
         f"no cache policy can beat that at this length on this machine. The byte count of a memory-bound step, "
         f"(weights + full KV) / (weights + LOCRET's KV), predicts {r['decode_bound_from_bytes']}x.", "",
+        *peer_lines(result, "Row"), "",
         f"## LOCRET time per token vs length (compact positions, decode {s['scaling_decode_tokens']} tokens)", "",
         *_table(result["locret_scaling"]), "",
     ]

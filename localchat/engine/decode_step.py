@@ -186,9 +186,15 @@ class DecodeStep:
         cos, sin = cos.reshape(-1), sin.reshape(-1)  # [d]
         for i, (norm_in, norm_post, eps, weights, meta) in enumerate(self.plans):
             layer = cache.layers[i]
-            slot = layer.open_slot(true_position)
-            h, qkv = native.layer_step(h, norm_in, norm_post, eps, weights, meta, cos, sin, layer._k, layer._v, slot,
-                                       self.layers[i][1].scaling, self.q_heads, self.kv_heads)
+            slot = layer.n
+            if slot >= layer._k.shape[2] or layer._r is not None:  # no room left (or key remainders): the slow way
+                slot = layer.open_slot(true_position)
+            else:  # the kernel writes the slot's K, V, score and position
+                layer.n = slot + 1
+                layer._publish()
+            h, qkv = native.layer_step(h, norm_in, norm_post, eps, weights, meta, cos, sin, layer._k, layer._v,
+                                       layer._s, layer._p, slot, true_position, self.layers[i][1].scaling,
+                                       self.q_heads, self.kv_heads)
             if on_qkv is not None:
                 on_qkv(i, qkv)
         return self.model.lm_head(self.norm(h.view(1, 1, -1)))[0, -1]
