@@ -77,3 +77,25 @@ def test_loading_a_model_says_it_builds_and_then_that_torchs_ops_stand_in(monkey
     cpu_decode.prepare(said.append)
     assert len(said) == 2 and said[0].startswith("building the CPU decode kernels")
     assert said[1].startswith("CPU decode kernels unavailable (") and "torch's ops" in said[1]
+
+
+@pytest.mark.parametrize("rows,inputs", [(960, 576), (40, 64), (576, 1536)])  # 40 rows: padded to a block of 64
+def test_the_int4_row_product_reads_torchs_packed_layout(native, rows, inputs):
+    """kernels/cpu_decode.cpp `int4_row` (AVX-512) against the dequantized weight: the same product as torch's own
+    packed kernel, without its bf16 rounding of the input and output."""
+    from torch import nn
+
+    from localchat.kernels.packed import GROUP, PackedLinear
+
+    if "avx512f" not in cpu_decode._cpu_flags().split():  # the kernel exists only where it can run
+        pytest.skip("this CPU has no AVX-512: the layer step uses torch's int4 kernel (tests/test_decode_step.py)")
+    assert hasattr(native, "int4_row"), "an AVX-512 CPU, but the build has no int4_row"
+    torch.manual_seed(rows)
+    packed = PackedLinear(nn.Linear(inputs, rows, bias=False), 4)
+    x = torch.randn(1, inputs)
+    want = F.linear(x, packed.dequantized().float()[:rows])
+    got = native.int4_row(x, packed.codes, packed.scales, GROUP, rows)
+    assert got.shape == (1, rows)
+    assert ((got - want).norm() / want.norm()).item() < 4e-3  # the dequantized reference is itself bf16
+    theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed.codes, GROUP, packed.scales).float()
+    assert ((got - theirs[:, :rows]).norm() / want.norm()).item() < 8e-3
