@@ -1,12 +1,13 @@
 """C++ kernels for the CPU decode step (cpu_decode.cpp): a whole decoder layer for one token (`layer_step`), with
 attention of the token over the layer's kept units, RMSNorm, and on AVX-512 CPUs a one-row int4 product on
-torch's packed layout (`int4_row`: 5.6 -> 4.1 ms of int4 products a SmolLM2 step). Measured on the project's 2-core EPYC, SmolLM2 at 1,120 kept units: torch's SDPA 5.3-8.2 ms a step
-over 30 layers, this kernel 2.5-4.2 ms (bench/results/cpu-decode/).
+torch's packed layout (`int4_row`). What each way through a step gives: bench/results/cpu-decode/ab_paths.txt;
+`int4_row` against torch's int4 kernel: bench/results/cpu-decode/int4_row.txt.
 
 Built once per machine, by a child process, with torch's C++ extension builder (g++ and ninja, the toolchain
 torch.compile's CPU backend needs too) into the user cache, keyed by the source, the flags, torch's and Python's
-versions and the CPU's instruction flags (`-march=native`); later processes import the built library directly. Without a compiler, or with
-LOCALCHAT_CPU_KERNELS=0, `kernels()` is None and the decode step keeps torch's ops (`reason()` says why).
+versions and the CPU's instruction flags (`-march=native`); later processes import the built library directly.
+Without a compiler, or with LOCALCHAT_CPU_KERNELS=0, `kernels()` is None and the decode step keeps torch's ops
+(`reason()` says why).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ BUILD_TIMEOUT = 900  # seconds: the first build takes about 30 s on 2 cores
 
 @functools.cache
 def kernels():
-    """The built module (`decode_attention`, `rms_norm`, `attend_token`, `layer_step`), or None where it cannot
+    """The built module (`decode_attention`, `rms_norm`, `attend_token`, `layer_step`, and `int4_row` on AVX-512
+    CPUs), or None where it cannot
     be built here. A missing build is made by a child process (the compiler's and torch's builder's memory stay
     out of this one); the library is then imported directly."""
     if os.environ.get("LOCALCHAT_CPU_KERNELS", "1") == "0":

@@ -59,4 +59,3 @@ def test_pack_model_replaces_every_linear_but_the_skipped():
     assert pack_model(model, 4, skip=("head",)) == 2
     assert [type(m).__name__ for m in (model[0], model[2][0], model.head)] == ["PackedLinear", "PackedLinear", "Linear"]
     assert model(torch.randn(3, 64)).shape == (3, 8)
-

@@ -111,17 +111,22 @@ class KVLayer(DynamicLayer):
         self._publish()
         return self.keys, self.values
 
-    def open_slot(self, position: int) -> int:
-        """Room for one more unit (original position `position`, score 0) whose K and V the caller writes at the
-        returned slot (the CPU decode step's kernel, kernels/cpu_decode.py). Needs a started layer."""
+    def take_slot(self) -> int:
+        """Room for one more unit at the returned slot, whose K, V, score and original position the caller writes
+        (the CPU decode step's layer kernel, kernels/cpu_decode.cpp). Needs a started layer."""
         n = self.n
         self._ensure(n + 1, self._k, self._v)
-        self._s[:, n] = 0.0
-        self._p[:, n] = position
-        if self._r is not None:
+        if self._r is not None:  # keys come in exact
             self._r[:, :, n] = 0
         self.n = n + 1
         self._publish()
+        return n
+
+    def open_slot(self, position: int) -> int:
+        """`take_slot` with the unit's score (0) and original position written; the caller writes K and V."""
+        n = self.take_slot()
+        self._s[:, n] = 0.0
+        self._p[:, n] = position
         return n
 
     def get_seq_length(self) -> int:

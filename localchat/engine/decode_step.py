@@ -16,9 +16,10 @@ Three ways through a step, the first that applies (all give transformers' logits
           packed or fp32 products, RoPE, the cache write, attention, SwiGLU); Python only between layers
   ops     the same C++ attention and norms between torch ops, where a layer cannot go whole (a hooked module,
           another activation, weights of another kind)
-  torch   torch's ops only: other devices and dtypes, Qwen3's per-head norms, no C++ compiler
-Measured on the 2-core EPYC, SmolLM2 int4 at 1,120 kept units, one interleaved run: layers 75, torch 47 tok/s
-(bench/results/cpu-decode/).
+  torch   torch's ops: other devices and dtypes, no C++ compiler; Qwen3 (per-head q/k norms) on an fp32 CPU
+          model takes this way with the C++ attention and norms
+Measured on the 2-core EPYC, SmolLM2 int4 at 1,120 kept units, alternating on one cache: layers 80.5, ops 57.7,
+torch 44.6 tok/s (bench/results/cpu-decode/ab_paths.txt).
 
 It serves the models whose layers are Llama's (Llama, Mistral, Qwen2, Qwen3 without sliding windows) on the
 plain cache when the model attends with plain SDPA. A policy that switched the attention function (H2O, SnapKV,
@@ -179,19 +180,19 @@ class DecodeStep:
             h = h + mlp(norm_post(h))
         return self.model.lm_head(self.norm(h))[0, -1]
 
+    def _start(self, token: torch.Tensor, true_position: int):
+        """The token's hidden state `[1, 1, hidden]` and its rotation `cos`, `sin` `[d]` (for the C++ ways)."""
+        h = self.embed(token)
+        cos, sin = self.rotary(h, torch.tensor([[self.cache.next_position(true_position)]]))
+        return h, cos.reshape(-1), sin.reshape(-1)
+
     def _layer_steps(self, token: torch.Tensor, true_position: int) -> torch.Tensor:
         cache, native, on_qkv = self.cache, self.kernels, self.on_qkv
-        h = self.embed(token).view(1, -1)
-        cos, sin = self.rotary(h, torch.tensor([[cache.next_position(true_position)]]))
-        cos, sin = cos.reshape(-1), sin.reshape(-1)  # [d]
+        h, cos, sin = self._start(token, true_position)
+        h = h.view(1, -1)
         for i, (norm_in, norm_post, eps, weights, meta) in enumerate(self.plans):
             layer = cache.layers[i]
-            slot = layer.n
-            if slot >= layer._k.shape[2] or layer._r is not None:  # no room left (or key remainders): the slow way
-                slot = layer.open_slot(true_position)
-            else:  # the kernel writes the slot's K, V, score and position
-                layer.n = slot + 1
-                layer._publish()
+            slot = layer.take_slot()  # the kernel writes the slot's K, V, score and position
             h, qkv = native.layer_step(h, norm_in, norm_post, eps, weights, meta, cos, sin, layer._k, layer._v,
                                        layer._s, layer._p, slot, true_position, self.layers[i][1].scaling,
                                        self.q_heads, self.kv_heads)
@@ -201,9 +202,7 @@ class DecodeStep:
 
     def _native_step(self, token: torch.Tensor, true_position: int) -> torch.Tensor:
         cache, native = self.cache, self.kernels
-        h = self.embed(token)
-        cos, sin = self.rotary(h, torch.tensor([[cache.next_position(true_position)]]))
-        cos, sin = cos.reshape(-1), sin.reshape(-1)  # [d]
+        h, cos, sin = self._start(token, true_position)
         for i, (norm_in, attn, qkv_of, norm_post, mlp) in enumerate(self.layers):
             qkv = qkv_of(norm_in(h))
             layer = cache.layers[i]

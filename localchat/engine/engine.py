@@ -16,7 +16,6 @@ from localchat.engine import loading
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard
 from localchat.engine.decode_step import DecodeStep, supported as lean_supported
-from localchat.kernels import cpu_decode
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
 from localchat.engine.policies import PLAIN_POLICY, Policy, make_policy
@@ -26,6 +25,7 @@ from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, for
 from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings, pick_token
 from localchat.errors import UserError
+from localchat.kernels import cpu_decode
 
 DEFAULT_CHUNK = 512
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")

@@ -122,7 +122,8 @@ class Policy:
 
     def qkv_sink(self):
         """`(layer_idx, qkv)` -> None taking a decoded token's pre-RoPE q/k/v `[1, (H_q + 2 H_kv) d]` in place of
-        this policy's hooks on the q/k/v projections (engine/decode_step.py joins them), or None: no such hooks."""
+        this policy's hooks on the q/k/v projections (the C++ layer step of engine/decode_step.py calls no projection
+        module, so their hooks would not fire), or None: no such hooks."""
         return None
 
     def detach(self) -> None:
