@@ -158,6 +158,29 @@ def test_by_length_joins_results_dirs_at_one_budget(tmp_path, capsys):
                                                          "accuracy-by-length-passkey.png"]
 
 
+def test_by_length_joins_gpu_fp32_rows_once_and_keeps_gpu_default_apart(tmp_path, capsys):
+    """A GPU lane's `--weights fp32` rows join the CPU's plain series; an example both have counts once (the first
+    source's); a GPU row at the device's default dtype is a series of its own."""
+    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
+    cpu.mkdir()
+    gpu.mkdir()
+    mine = [r for r in _fake_rows() if r["task"] == "passkey" and r["policy"] == "locret" and r["budget"] == 64]
+    (cpu / RESULTS).write_text("".join(json.dumps({**r, "n": 3}) + "\n" for r in mine if r["length"] == 256))
+    on_gpu = {"hardware": {"cpu": "x", "cores": 16, "torch_threads": 1, "gpu": "H100"}, "device": "cuda"}
+    theirs = [{**r, **on_gpu, "n": 3, "weights": "fp32", "score": 1.0} for r in mine if r["length"] == 256]
+    theirs.append({**theirs[0], "example": 5})  # one the CPU lacks
+    theirs.append({**theirs[0], "weights": None, "score": 0.0})  # bf16 on the GPU: another series
+    (gpu / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in theirs))
+    out = tmp_path / "out"
+    assert main(["bench", "by-length", str(cpu), str(gpu), "--out", str(out), "--budget", "64"]) == 0
+    md = (out / "by-length.md").read_text()
+    assert "| locret | 0.50 (4) |" in md  # the CPU's 3 (1 right) + the GPU's example 5 (right)
+    assert "| locret weights=gpu-default | 0.00 (1) |" not in md  # not a plain series: left out by default
+    assert main(["bench", "by-length", str(cpu), str(gpu), "--out", str(out), "--budget", "64",
+                 "--policies", "locret,locret weights=gpu-default"]) == 0
+    assert "| locret weights=gpu-default | 0.00 (1) |" in (out / "by-length.md").read_text()
+
+
 def test_report_counts_each_cell(tmp_path, capsys):
     (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in _fake_rows()))
     assert main(["bench", "report", str(tmp_path)]) == 0

@@ -1,10 +1,11 @@
 """`localchat bench by-length --out DIR SRC [SRC ...]`: accuracy against document length, 4K to 128K, per policy.
 
-The grid's results live in several directories (the 4K-32K grid, the 64K/128K lanes); this reads the rows of
-each SRC (labelled as `bench report` labels them: named heads, weights and cache precisions are series of their
-own), keeps one budget (full attention has none), and writes per task a table (mean score and N per policy and
-length; each policy's plain series unless `--policies` names others) and a plot (`accuracy-by-length-TASK.png`, log2 length axis) into DIR, with `by-length.md` listing both.
-"""
+The grid's results live in several directories (the 4K-32K grid, the 64K/128K lanes, a GPU's lanes); this reads
+the rows of each SRC (labelled as `bench report` labels them: named heads, weights and cache precisions are series
+of their own, but a GPU lane's fp32 rows join the CPU's: `_joined`), keeps one budget (full attention has none),
+and writes per task a table (mean score and N per policy and length; each policy's plain series unless
+`--policies` names others) and a plot (`accuracy-by-length-TASK.png`, log2 length axis) into DIR, with
+`by-length.md` listing both."""
 
 from __future__ import annotations
 
@@ -19,12 +20,33 @@ from localchat.errors import UserError
 def collect(sources: list[Path], budget: int, policies: list[str] | None = None) -> list[dict]:
     """The rows at `budget` (and full attention's); by default each policy's plain series only (no named heads,
     other positions or precisions), else the series named in `policies` (labels as `bench report` prints them)."""
-    rows = [r for src in sources for r in load_rows(src) if r.get("error") is None]
+    rows = _joined([[r for r in load_rows(src) if r.get("error") is None] for src in sources])
     rows = [r for r in rows if r.get("budget") in (None, budget)
             and (r["policy"] in policies if policies else not re.search(r"[\[ ]", r["policy"]))]
     if not rows:
         raise UserError(f"no rows at budget {budget} (or full attention) in {', '.join(map(str, sources))}")
     return rows
+
+
+def _joined(per_source: list[list[dict]]) -> list[dict]:
+    """The sources' rows as one series per setting: fp32 rows from any machine (a GPU lane's `--weights fp32`)
+    join the CPU's default-dtype rows, a GPU's default-dtype rows are a series of their own, and an example an
+    earlier source already has is not counted twice."""
+    seen: set[tuple] = set()
+    out = []
+    for rows in per_source:
+        keys = set()
+        for r in rows:
+            if r.get("weights") == "fp32":
+                r["policy"] = r["policy"].replace(" weights=fp32", "")
+            elif r.get("weights") is None and (r.get("hardware") or {}).get("gpu"):
+                r["policy"] += " weights=gpu-default"
+            key = (r["task"], r["length"], r["policy"], r.get("budget"), r.get("seed"), r.get("n"), r["example"])
+            if key not in seen:
+                out.append(r)
+                keys.add(key)
+        seen |= keys
+    return out
 
 
 def cells(rows: list[dict], task: str) -> dict[str, dict[int, list[float]]]:

@@ -1,4 +1,4 @@
-# Sourced from the repo root by tools/gpu/grid.sh and tools/gpu/heads_cells.sh, with PY set: the uninstalled repo
+# Sourced from the repo root by tools/gpu/grid.sh and tools/gpu/lanes.sh, with PY set: the uninstalled repo
 # on PYTHONPATH (in front of whatever PYTHONPATH holds, e.g. a `pip install --target` folder of wheels), no
 # network, and pyproject's package-dir mapping (kernels/, models/, profiles/) as links in localchat/.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
