@@ -87,6 +87,21 @@ def test_dry_run_lists_what_is_left_and_runs_nothing(tiny_dir, tmp_path, capsys)
     assert printed[-1].startswith("5 of 8 examples left") and "plus 4 examples with no timing yet" in printed[-1]
 
 
+def test_examples_runs_those_in_that_order_with_the_full_runs_rows(tiny_dir, tmp_path, capsys):
+    """--examples 2,0 runs example 2 then 0 of N=3 (depths 1.0 then 0.0); a later full run adds only example 1."""
+    out = tmp_path / "grid"
+    base = ["--tasks", "passkey", "--lengths", "256", "--policies", "full", "-n", "3", "--in-process"]
+    assert main(_grid([*base, "--examples", "2,0,2"], tiny_dir, out)) == 0
+    rows = _rows(out)
+    assert [(r["example"], r["depth"]) for r in rows] == [(2, 1.0), (0, 0.0)]
+    assert rows[0]["command"].split("--examples ")[1].startswith("2,0,2")
+    assert main(_grid(base, tiny_dir, out)) == 0
+    assert [r["example"] for r in _rows(out)] == [2, 0, 1]
+    capsys.readouterr()
+    assert main(_grid([*base, "--examples", "3"], tiny_dir, out)) == 2
+    assert "--examples picks from 0 to 2 (-n 3), not 3" in capsys.readouterr().err
+
+
 def test_multiturn_times_every_follow_up(tiny_dir, tmp_path):
     config = BenchConfig(tasks=["multiturn"], lengths=[200], policies=["streaming"], budgets=[48], n=1,
                          out=tmp_path, model=tiny_dir, chunk=32, answer_tokens=2, in_process=True)

@@ -52,6 +52,9 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--policies", default="full,locret", help="comma-separated policies (default full,locret)")
     bench.add_argument("--budgets", default="1024", help="budgets of the evicting policies (default 1024)")
     bench.add_argument("-n", type=int, default=5, help="examples per cell (default 5)")
+    bench.add_argument("--examples", default=None, metavar="I,J,...",
+                       help="run only these of the N examples, in this order (e.g. 19,9,14: the deep needles "
+                            "first); rows are the same as a full run's")
     bench.add_argument("--out", help="results directory")
     bench.add_argument("--positions", default=argparse.SUPPRESS,
                        help="compact|original (default: compact for evicting policies, original for full)")
@@ -175,6 +178,8 @@ def _command(args, perf: bool) -> str:
             parts += ["--answer-tokens", str(args.answer_tokens)]
         if args.turns is not None:
             parts += ["--turns", args.turns]
+        if args.examples is not None:
+            parts += ["--examples", args.examples]
         if args.sparse_prefill is not None:
             parts += ["--sparse-prefill", f"{args.sparse_prefill:g}"]
         for flag in ("weights", "kv"):
@@ -236,6 +241,7 @@ def run(args) -> int:
         out=Path(args.out), model=f["model"], heads=f["heads"], chunk=f["chunk"], positions=f["positions"],
         seed=f["seed"] or 0, answer_tokens=args.answer_tokens, in_process=args.in_process,
         turns=_ints(args.turns, "turns") if args.turns is not None else None,
+        examples=_ints(args.examples, "examples") if args.examples is not None else None,
         weights=_quant_axis(f["weights"], "weights"), kv=_quant_axis(f["kv"], "kv"), sparse_prefill=args.sparse_prefill,
         command=_command(args, perf=False),
     )

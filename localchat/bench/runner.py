@@ -64,6 +64,7 @@ class BenchConfig:
     seed: int = 0
     answer_tokens: int | None = None  # None: each task's own limit (tasks.ANSWER_TOKENS)
     turns: list[int] | None = None  # multiturn only: unrelated turns (None: the task's default, 9)
+    examples: list[int] | None = None  # --examples: these of range(n), in this order (None: all, in order)
     in_process: bool = False
     weights: list[str | None] = field(default_factory=lambda: [None])  # --weights axis (None: device dtype)
     kv: list[str | None] = field(default_factory=lambda: [None])  # --kv axis (None: unquantized)
@@ -103,6 +104,9 @@ def check(config: BenchConfig) -> None:
                         (config.chunk, "--chunk"), (config.answer_tokens, "--answer-tokens")]:
         if value is not None and value < 1:
             raise UserError(f"{what} must be at least 1 (got {value})")
+    wrong = [i for i in config.examples or [] if not 0 <= i < config.n]
+    if wrong:
+        raise UserError(f"--examples picks from 0 to {config.n - 1} (-n {config.n}), not {wrong[0]}")
     if any(t < 0 for t in config.turns or []):
         raise UserError("--turns must be 0 or more")
     if config.positions is not None and config.positions not in POSITION_MODES:
@@ -164,7 +168,12 @@ def _left(path: Path, cell: Cell, examples: list[int]) -> list[int]:
 
 def _todo(config: BenchConfig, done: set[str]) -> list[tuple[Cell, list[int]]]:
     """Each planned cell with the example indices that have no row yet."""
-    return [(cell, [i for i in range(config.n) if cell.key(i) not in done]) for cell in plan(config)]
+    return [(cell, [i for i in _order(config) if cell.key(i) not in done]) for cell in plan(config)]
+
+
+def _order(config: BenchConfig) -> list[int]:
+    """The example indices each cell runs, in order: `--examples` (once each), else 0 .. n-1."""
+    return list(dict.fromkeys(config.examples)) if config.examples is not None else list(range(config.n))
 
 
 def dry_run(config: BenchConfig) -> list[str]:
@@ -196,7 +205,7 @@ def dry_run(config: BenchConfig) -> list[str]:
             seconds += per * left
             lines.append(f"{cell.label()}: {left} left, about {per * left / 60:.0f} min at {per:.1f} s each{source}")
     eta = _about(seconds) + (f" plus {unknown} examples with no timing yet" if unknown else "")
-    lines.append(f"{left_total} of {len(todo) * config.n} examples left in {path}; {eta} for one process "
+    lines.append(f"{left_total} of {len(todo) * len(_order(config))} examples left in {path}; {eta} for one process "
                  "(rows' median wall_s)")
     if live:  # each lane runs one example at a time, so the examples held now count the lanes at work
         lines.append(f"{live} of them running now in other processes (lanes): {_about(seconds / live)} "
@@ -242,7 +251,7 @@ def run(config: BenchConfig, say: Callable[[str], None] = _stderr) -> Path:
     path = config.out / RESULTS
     done = finished(path)
     todo = _todo(config, done)
-    total = len(todo) * config.n
+    total = len(todo) * len(_order(config))
     at = total - sum(len(examples) for _, examples in todo)
     say(f"bench: {len(todo)} cells, {total} examples, {at} already in {path}")
     for cell, examples in todo:
