@@ -54,9 +54,8 @@ BUILD_TIMEOUT = 900  # seconds: the first build takes about 30 s on 2 cores
 @functools.cache
 def kernels():
     """The built module (`decode_attention`, `rms_norm`, `attend_token`, `layer_step`, and `int4_row` on AVX-512
-    CPUs), or None where it cannot
-    be built here. A missing build is made by a child process (the compiler's and torch's builder's memory stay
-    out of this one); the library is then imported directly."""
+    CPUs), or None where it cannot be built here. A missing build is made by a child process (the compiler's and
+    torch's builder's memory stay out of this one); the library is then imported directly."""
     if os.environ.get("LOCALCHAT_CPU_KERNELS", "1") == "0":
         _why.append("LOCALCHAT_CPU_KERNELS=0")
         return None

