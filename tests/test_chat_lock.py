@@ -108,21 +108,21 @@ def test_in_process_asks_release_the_lock_even_when_they_fail(tiny_dir, tmp_path
 # --- real concurrent processes --------------------------------------------------------------------------------
 
 
-def _writers(n: int, model: str, data: Path, hold: float = 6.0) -> list[dict]:
+def _writers(n: int, model: str, data: Path, hold: float = 300.0) -> list[dict]:
     """Start `n` `ask --session S` processes at once; each one's question, first-stdout time, stderr, exit code.
-    The chat's lock is held (as another `ask` would) for the first `hold` seconds, so that the writers, whose
-    models load in a second or two, do meet at the lock however quickly each one answers."""
+    The chat's lock is held (as another `ask` would) until every writer has said that it waits (at most `hold`
+    seconds), so the writers meet at the lock however slowly a loaded machine starts them (a fixed 6 s hold
+    missed them once, with two benchmark lanes on the same two cores)."""
     env = {**os.environ, "LOCALCHAT_DATA_DIR": str(data), "OMP_NUM_THREADS": "1"}
     (data / "locks").mkdir(parents=True, exist_ok=True)
     first = ChatLock("S", data / "locks")
     assert first.try_acquire()
-    threading.Timer(hold, first.release).start()
     runs = []
     for i in range(n):
         cmd = [sys.executable, "-m", "localchat", "--model", model, *FLAGS, "ask", "--session", "S", "--stats",
                f"question {i} from writer {i}"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        runs.append({"question": f"question {i} from writer {i}", "proc": proc})
+        runs.append({"question": f"question {i} from writer {i}", "proc": proc, "waits": threading.Event()})
 
     def read(run):
         first = run["proc"].stdout.read(1)  # the answer streams while this process holds the chat's lock
@@ -130,9 +130,21 @@ def _writers(n: int, model: str, data: Path, hold: float = 6.0) -> list[dict]:
         run["out"] = first + run["proc"].stdout.read()
 
     def errs(run):
-        run["err"] = run["proc"].stderr.read().decode()
+        lines = []
+        for line in run["proc"].stderr:
+            lines.append(line.decode())
+            if "waiting for another localchat" in lines[-1]:
+                run["waits"].set()
+        run["waits"].set()  # ended without waiting: do not hold the others up
+        run["err"] = "".join(lines)
+
+    def let_go():
+        for run in runs:
+            run["waits"].wait(timeout=hold)
+        first.release()
 
     threads = [threading.Thread(target=f, args=(r,)) for r in runs for f in (read, errs)]
+    threads.append(threading.Thread(target=let_go))
     for t in threads:
         t.start()
     for t in threads:
@@ -170,7 +182,7 @@ def test_concurrent_writers_keep_every_turn_in_order(n, tiny_dir, tmp_path, monk
         assert len(waits) <= 1 and len(lines) == 1 + len(waits), report  # the stats line, and the wait said once
         assert "not reused" not in r["err"] and "Traceback" not in r["err"]
         waited += len(waits)
-    assert waited >= 1  # they did meet (the first holds the lock while the others load their models)
+    assert waited == n  # they did meet: each waited for the lock the test held, then for the writers before it
     # The same questions one after another in one process: the same chat, and each writer read only its own
     # turn's tokens (it continued from the saved cache of the one before, not from a re-read).
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path / "replay"))
