@@ -11,7 +11,8 @@
 # the weights are part of each row's key, so GPU and CPU rows never mix by accident.
 # A 135M model keeps a GPU busy for a few percent of each step, so LANES processes (one torch thread each)
 # share it and claim examples from one results file (localchat/bench/lanes.py). Every lane stops after LIMIT_S
-# seconds (the example in flight is lost; rerun to resume: finished examples are skipped). Rows go to
+# seconds (the example in flight is lost; rerun to resume: finished examples are skipped). A step that fails is
+# logged and the lane goes on with the next one. Rows go to
 # RESULTS_DIR/results.jsonl, each lane's log to RESULTS_DIR/laneN.log.
 
 set -o pipefail
@@ -32,7 +33,8 @@ mapfile -t STEPS < <(grep -v '^[[:space:]]*\(#\|$\)' "$CELLS")
 lane() {
     for step in "${STEPS[@]}"; do
         # shellcheck disable=SC2086
-        "$PY" -m localchat bench --weights "$WEIGHTS" $step --in-process --out "$DIR" || return
+        "$PY" -m localchat bench --weights "$WEIGHTS" $step --in-process --out "$DIR" ||
+            echo "lanes.sh: step failed (exit $?), going on with the next: $step"
     done
 }
 T0=$(date +%s)
