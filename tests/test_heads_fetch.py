@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 import urllib.parse
+from pathlib import Path
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -343,3 +344,16 @@ def test_fetched_heads_carry_their_sha256_and_damaged_ones_are_fetched_again(hub
     assert "damaged" in said[0] and "fetching them again" in said[0]
     assert same(RetainingHeads.load(out).state_dict(), reference(files, tmp_path))
     assert cached_heads(CARD) == out
+
+
+def test_transport_is_the_library_whose_errors_the_hub_session_raises():
+    """hub_ranges names no HTTP library: it reads it off huggingface_hub's session (httpx2 under huggingface_hub
+    2.x, httpx under 1.x; the lent GPU's image had 1.x and no httpx2, and LOCRET failed to load there)."""
+    from huggingface_hub import get_session
+
+    from localchat.planning import hub_ranges
+
+    http = hub_ranges.transport()
+    with pytest.raises(http.ConnectError):
+        get_session().get(f"http://127.0.0.1:{closed_port()}/x", timeout=5)
+    assert "import httpx" not in (Path(hub_ranges.__file__)).read_text()

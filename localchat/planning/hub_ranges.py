@@ -7,6 +7,7 @@ are downloaded into part files, and a broken connection continues from the end o
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import struct
@@ -15,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx2
 from huggingface_hub import constants, get_hf_file_metadata, get_session, hf_hub_url
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -78,10 +78,6 @@ def hub_calls(remote: Remote) -> Iterator[None]:
         yield
     except OfflineModeIsEnabled:
         raise Offline("HF_HUB_OFFLINE is set") from None
-    except (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.ProxyError) as exc:
-        raise Offline(_first_line(exc) or type(exc).__name__) from None
-    except httpx2.TransportError as exc:
-        raise Broken(_first_line(exc) or type(exc).__name__) from None
     except GatedRepoError:
         raise UserError(f"{repo} is gated: accept its terms on the hub, then run `hf auth login` (or set HF_TOKEN)") from None
     except RepositoryNotFoundError:
@@ -90,6 +86,19 @@ def hub_calls(remote: Remote) -> Iterator[None]:
         raise UserError(f"{repo} has no revision {remote.revision!r}") from None
     except HfHubHTTPError as exc:
         raise UserError(f"{repo}: the hub answered {_first_line(exc)}") from None
+    except Exception as exc:
+        http = transport()
+        if isinstance(exc, (http.ConnectError, http.ConnectTimeout, http.ProxyError)):
+            raise Offline(_first_line(exc) or type(exc).__name__) from None
+        if isinstance(exc, http.TransportError):
+            raise Broken(_first_line(exc) or type(exc).__name__) from None
+        raise
+
+
+def transport():
+    """The HTTP library of huggingface_hub's own session: httpx2 under huggingface_hub 2.x, httpx under 1.x
+    (transformers 5 accepts both, and an image may hold either one alone)."""
+    return importlib.import_module(type(get_session()).__module__.split(".")[0])
 
 
 def _first_line(exc: BaseException) -> str:
