@@ -1,0 +1,60 @@
+# Experiment (session 8), not a policy: LOCRET with the shipped heads as the lanes run it, except that in every
+# layer and KV head at most CAP units of any one token id survive an eviction (the rest of that id rank last).
+# Why: kept_tokens.py shows that on a 128K document each head's budget fills with copies of one or two frequent
+# tokens (passkey b=2048, layer 0: 1,917 of 2,010 kept units are "." in head 0, 1,849 " is" in head 1), since
+# LOCRET scores each unit once from its own Q, K, V, and a repeated token scores about the same every time.
+# If capping the copies brings the answer back, the flood is what limits LOCRET at 128K on this model.
+# usage: python repeat_cap.py TASK LENGTH EXAMPLE BUDGET CAP [N]  (1 torch thread; prints one JSON line)
+import sys, json, time, torch
+torch.set_num_threads(1)
+from localchat.bench.cell import Cell, sample_for, load_engine, use_policy
+from localchat.bench.tasks import prompt_messages, score
+from localchat.engine.sampling import GenerationSettings
+from localchat.engine.events import Done
+task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+n_examples = int(sys.argv[6]) if len(sys.argv) > 6 else 20
+cell = Cell(task=task, length=length, policy="locret", budget=budget, n=n_examples, seed=0, model_spec=None,
+            heads=None, chunk=512, positions="compact", max_new_tokens=16)
+engine = load_engine(cell)
+use_policy(engine, cell)
+sample = sample_for(cell, engine.tokenizer, example)
+ids = engine.encode(engine.render(prompt_messages(sample)))
+token = torch.tensor(ids)
+plain = engine.policy.priority
+LOW = -1e30
+
+
+def capped(layer, layer_idx, last_chunk):
+    """The plain priorities, with every unit past the CAP best of its token id (per head) moved to the bottom."""
+    prio = plain(layer, layer_idx, last_chunk)
+    if cap <= 0:
+        return prio
+    unit_ids = token[layer.positions.clamp(max=len(ids) - 1).cpu()].to(prio.device)  # [H, n]
+    order = prio.argsort(dim=-1, descending=True, stable=True)
+    by_id = unit_ids.gather(-1, order).argsort(dim=-1, stable=True)  # best-first within each id
+    ranked = order.gather(-1, by_id)
+    same = unit_ids.gather(-1, ranked)
+    n = same.shape[-1]
+    idx = torch.arange(n, device=prio.device).expand_as(same)
+    first = torch.where(torch.cat([torch.ones_like(same[:, :1], dtype=torch.bool), same[:, 1:] != same[:, :-1]], -1),
+                        idx, torch.zeros_like(idx)).cummax(-1).values
+    over = torch.zeros_like(prio, dtype=torch.bool).scatter(-1, ranked, (idx - first) >= cap)
+    return torch.where(over, torch.full_like(prio, LOW), prio)
+
+
+engine.policy.priority = capped
+cache = engine.new_cache(len(ids), 16)
+t = time.time()
+out = ""
+for ev in engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=16)):
+    if isinstance(ev, Done):
+        out = ev.text
+top = []
+for li in (0, 10, 20, 29):
+    pos = cache.layers[li].positions
+    doc = [pos[h][pos[h] < len(ids)].cpu() for h in range(pos.shape[0])]  # prompt units (not the answer's)
+    top.append(max(int(torch.bincount(token[p]).max()) for p in doc))
+print(json.dumps({"task": task, "length": length, "example": example, "budget": budget, "cap": cap, "n": n_examples,
+                  "depth": sample.depth, "answer": out, "expected": list(sample.answers),
+                  "correct": bool(score(sample, out) >= 1), "most_copies_of_one_token_layers_0_10_20_29": top,
+                  "prompt_tokens": len(ids), "seconds": round(time.time() - t)}))
