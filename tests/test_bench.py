@@ -463,6 +463,21 @@ def test_sparse_prefill_rows_are_omnikvs_own(tiny_dir, tmp_path, capsys):
     assert "--sparse-prefill applies to omnikv" in capsys.readouterr().err
 
 
+def test_max_copies_rows_are_locrets_own_and_a_key_of_their_own(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "grid"
+    base = ["--tasks", "passkey", "--lengths", "256", "--budgets", "32", "-n", "1", "--heads", "random", "--in-process"]
+    assert main(_grid([*base, "--policies", "streaming,locret", "--max-copies", "4"], tiny_dir, out)) == 0
+    assert main(_grid([*base, "--policies", "locret"], tiny_dir, out)) == 0  # the uncapped cell is another row
+    rows = _rows(out)
+    assert sorted((r["policy"], r["max_copies"] or 0) for r in rows) == [("locret", 0), ("locret", 4), ("streaming", 0)]
+    assert all(r["error"] is None for r in rows)
+    assert main(["bench", "report", str(out)]) == 0
+    assert "| passkey | locret max-copies=4 | 32 |" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(_grid([*base, "--policies", "streaming", "--max-copies", "4"], tiny_dir, out)) == 2
+    assert "--max-copies applies to locret" in capsys.readouterr().err
+
+
 def test_side_by_side_ranks_policies_per_length_and_budget(tmp_path):
     rows = _fake_rows()
     for row in list(rows):  # a policy with one task only: shown, but without a mean

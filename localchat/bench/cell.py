@@ -27,7 +27,7 @@ from localchat.errors import UserError
 
 FOLLOWUP_TOKENS = 8  # answer length of the earlier multiturn turns (the model's own answers are kept)
 KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
-              "max_new_tokens", "turns", "weights", "kv", "sparse_prefill")
+              "max_new_tokens", "turns", "weights", "kv", "sparse_prefill", "max_copies")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class Cell:
     weights: str | None = None  # --weights (None: the device's dtype)
     kv: str | None = None  # --kv int8/int4/int2 (None: unquantized cache)
     sparse_prefill: float | None = None  # omnikv only: --sparse-prefill R (None: full-attention reading)
+    max_copies: int | None = None  # locret only: --max-copies N (None: no cap, the paper's rule)
 
     def key(self, example: int) -> str:
         return json.dumps([*(getattr(self, f) for f in KEY_FIELDS), example])
@@ -54,7 +55,8 @@ class Cell:
     def label(self) -> str:
         budget = "" if self.budget is None else f" b={self.budget}"
         quant = "".join(f" {name}={v:g}" if isinstance(v, float) else f" {name}={v}" for name, v in
-                        (("weights", self.weights), ("kv", self.kv), ("sparse-prefill", self.sparse_prefill)) if v)
+                        (("weights", self.weights), ("kv", self.kv), ("sparse-prefill", self.sparse_prefill),
+                         ("max-copies", self.max_copies)) if v)
         return f"{self.task} {self.length} {self.policy}{budget}{quant}"
 
 
@@ -97,7 +99,7 @@ def use_policy(engine, cell: Cell) -> None:
 
     engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
     engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, heads=cell.heads,
-                                 sparse_prefill=cell.sparse_prefill), cell.positions)
+                                 sparse_prefill=cell.sparse_prefill, max_copies=cell.max_copies), cell.positions)
 
 
 def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory: str = "subprocess",

@@ -67,6 +67,8 @@ def add_parser(subparsers) -> None:
                        help="KV cache quantization, comma-separated (none,int8,int4,int2; default none)")
     bench.add_argument("--sparse-prefill", type=float, default=None, metavar="R",
                        help="omnikv cells: filter layers pick R x chunk earlier tokens while reading (docs/methods/omnikv.md §2.8)")
+    bench.add_argument("--max-copies", type=int, default=None, metavar="N",
+                       help="locret cells: keep at most N copies of one token per KV head (engine/policies/repeats.py)")
     bench.add_argument("--dry-run", action="store_true",
                        help="list the cells with examples left and estimate the time; run nothing")
     bench.add_argument("--in-process", action="store_true",
@@ -182,6 +184,8 @@ def _command(args, perf: bool) -> str:
             parts += ["--examples", args.examples]
         if args.sparse_prefill is not None:
             parts += ["--sparse-prefill", f"{args.sparse_prefill:g}"]
+        if args.max_copies is not None:
+            parts += ["--max-copies", str(args.max_copies)]
         for flag in ("weights", "kv"):
             if f[flag]:
                 parts += [f"--{flag}", f[flag]]
@@ -243,7 +247,7 @@ def run(args) -> int:
         turns=_ints(args.turns, "turns") if args.turns is not None else None,
         examples=_ints(args.examples, "examples") if args.examples is not None else None,
         weights=_quant_axis(f["weights"], "weights"), kv=_quant_axis(f["kv"], "kv"), sparse_prefill=args.sparse_prefill,
-        command=_command(args, perf=False),
+        max_copies=args.max_copies, command=_command(args, perf=False),
     )
     if args.dry_run:
         from localchat.bench.runner import dry_run

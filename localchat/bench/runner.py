@@ -69,6 +69,7 @@ class BenchConfig:
     weights: list[str | None] = field(default_factory=lambda: [None])  # --weights axis (None: device dtype)
     kv: list[str | None] = field(default_factory=lambda: [None])  # --kv axis (None: unquantized)
     sparse_prefill: float | None = None  # omnikv cells: --sparse-prefill R
+    max_copies: int | None = None  # locret cells: --max-copies N
     command: str = ""
     engines: dict = field(default_factory=dict, repr=False)  # in-process: loaded engines by (model, chunk)
 
@@ -98,6 +99,11 @@ def check(config: BenchConfig) -> None:
         raise UserError(f"--sparse-prefill applies to {', '.join(takes)}; add it to --policies or drop --sparse-prefill")
     if config.sparse_prefill is not None and config.sparse_prefill <= 0:
         raise UserError(f"--sparse-prefill must be above 0 (the paper's R = 2), not {config.sparse_prefill:g}")
+    capped = [p for p in POLICIES if "max_copies" in POLICIES[p].options]
+    if config.max_copies is not None and not set(capped) & set(config.policies):
+        raise UserError(f"--max-copies applies to {', '.join(capped)}; add it to --policies or drop --max-copies")
+    if config.max_copies is not None and config.max_copies < 1:
+        raise UserError(f"--max-copies must be at least 1 in a benchmark (leave it out for no cap), not {config.max_copies}")
     if any(POLICIES[p].uses_budget() for p in config.policies) and not config.budgets:
         raise UserError("evicting (and selecting) policies need --budgets")
     for value, what in [*((b, "budget") for b in config.budgets), (config.n, "-n"),
@@ -150,6 +156,7 @@ def plan(config: BenchConfig) -> list[Cell]:
                         max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task], turns=turns,
                         weights=weights, kv=kv,
                         sparse_prefill=config.sparse_prefill if "prefill_ratio" in cls.options else None,
+                        max_copies=config.max_copies if "max_copies" in cls.options else None,
                     ))
     return cells
 

@@ -3,12 +3,14 @@ Retaining Heads"; docs/methods/locret.md)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from localchat.engine.heads import HeadScorer, RetainingHeads
 from localchat.engine.policies.base import Option, Policy
+from localchat.engine.policies.repeats import TokenIds, cap_copies
 from localchat.errors import UserError
 
 FLUSH_EVERY = 32  # decoded tokens queued before they are scored: the queue's Q, K, V stay small
@@ -26,10 +28,14 @@ class Locret(Policy):
 
     name = "locret"
     summary = "LOCRET: trained retaining heads score each unit; keep the top budget (default)"
-    options = {"stabilizers": Option("--stabilizers", int, "LOCRET n_s: newest units protected per chunk")}
+    options = {"stabilizers": Option("--stabilizers", int, "LOCRET n_s: newest units protected per chunk"),
+               "max_copies": Option("--max-copies", int, "LOCRET: keep at most N copies of one token per KV head "
+                                    "(0: no cap, the paper's rule; see engine/policies/repeats.py)")}
     stabilizers: int = 256
+    max_copies: int = 0  # 0: the paper's rule
     heads: RetainingHeads | None = field(default=None, repr=False)
     cache = None  # the attached cache (not a field): queued tokens are scored into it
+    token_ids = None  # --max-copies: the token id of each position the cache may hold (TokenIds, not a field)
 
     def validate(self) -> None:
         super().validate()
@@ -37,6 +43,8 @@ class Locret(Policy):
             raise UserError(f"--stabilizers must be >= 0 (got {self.stabilizers})")
         if self.stabilizers >= self.budget:
             raise UserError(f"--stabilizers ({self.stabilizers}) must be below --budget ({self.budget})")
+        if self.max_copies < 0:
+            raise UserError(f"--max-copies must be >= 0 (0 means no cap; got {self.max_copies})")
 
     @classmethod
     def settle(cls, values, given):
@@ -52,8 +60,13 @@ class Locret(Policy):
             raise UserError("LOCRET needs retaining heads for this model; pass --heads DIR (or --heads random)")
         self.scorer = HeadScorer(model, self.heads)
         self.cache = cache
+        if self.max_copies > 0 and (self.token_ids is None or self._ids_of() is not cache):
+            self.token_ids = TokenIds()  # a new cache; the same one (the next turn) keeps what it knew
+            self._ids_of = weakref.ref(cache)
 
     def observe(self, cache, n_new, ids) -> None:
+        if self.token_ids is not None:
+            self.token_ids.add(cache.layers[0].positions[0, -n_new:], ids)
         if n_new == 1:  # a decoded token: the scorer queues it, `_flush` scores the queue in one batch
             if self.scorer.queued() >= FLUSH_EVERY:
                 self._flush(cache)
@@ -76,6 +89,14 @@ class Locret(Policy):
         if self.cache is not None:  # attached: queued tokens get their scores first
             self._flush(self.cache)
         return layer.scores
+
+    def priority(self, layer, layer_idx, last_chunk):
+        prio = super().priority(layer, layer_idx, last_chunk)
+        if self.token_ids is None:
+            return prio
+        if layer_idx == 0 and self.cache is not None:  # once per eviction: forget what no layer holds
+            self.token_ids.forget_except([held.positions for held in self.cache.layers])
+        return cap_copies(prio, self.token_ids.lookup(layer.positions), self.max_copies)
 
     def qkv_sink(self):
         return self.scorer.take_qkv
