@@ -472,7 +472,7 @@ def test_max_copies_rows_are_locrets_own_and_a_key_of_their_own(tiny_dir, tmp_pa
     assert sorted((r["policy"], r["max_copies"] or 0) for r in rows) == [("locret", 0), ("locret", 4), ("streaming", 0)]
     assert all(r["error"] is None for r in rows)
     assert main(["bench", "report", str(out)]) == 0
-    assert "| passkey | locret max-copies=4 | 32 |" in (out / "report.md").read_text()
+    assert "| passkey | locret[random] max-copies=4 | 32 |" in (out / "report.md").read_text()
     capsys.readouterr()
     assert main(_grid([*base, "--policies", "streaming", "--max-copies", "4"], tiny_dir, out)) == 2
     assert "--max-copies applies to locret" in capsys.readouterr().err
