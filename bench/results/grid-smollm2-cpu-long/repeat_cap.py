@@ -5,6 +5,8 @@
 # LOCRET scores each unit once from its own Q, K, V, and a repeated token scores about the same every time.
 # If capping the copies brings the answer back, the flood is what limits LOCRET at 128K on this model.
 # usage: python repeat_cap.py TASK LENGTH EXAMPLE BUDGET CAP [N]  (1 torch thread; prints one JSON line)
+# (Comment added after the runs: the engine now has this rule as LOCRET's `--max-copies`, engine/policies/repeats.py,
+# which also exempts protected units from it; this script is kept as it ran for repeat_cap.jsonl.)
 import sys, json, time, torch
 torch.set_num_threads(1)
 from localchat.bench.cell import Cell, sample_for, load_engine, use_policy
