@@ -12,8 +12,9 @@ import ast
 import importlib.metadata as md
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).parents[1]
 NOT_INSTALLED_HERE = {"llama_cpp": "llama-cpp-python", "tomli": "tomli"}  # an optional extra; Python < 3.11 only

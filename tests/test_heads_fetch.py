@@ -11,13 +11,14 @@ import re
 import socket
 import threading
 import urllib.parse
-from pathlib import Path
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save
+from tiny import tiny_llama, tiny_tokenizer
 
 from localchat.engine import cards
 from localchat.engine.cards import ModelCard
@@ -25,7 +26,6 @@ from localchat.engine.heads import RetainingHeads, import_official
 from localchat.errors import UserError
 from localchat.planning import hub_ranges
 from localchat.planning.heads_fetch import cached_heads, fetch_heads, heads_cache_dir
-from tiny import tiny_llama, tiny_tokenizer
 
 REPO, WRONG_REPO = "test/Locret-tiny", "test/Locret-wrong"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -356,4 +356,4 @@ def test_transport_is_the_library_whose_errors_the_hub_session_raises():
     http = hub_ranges.transport()
     with pytest.raises(http.ConnectError):
         get_session().get(f"http://127.0.0.1:{closed_port()}/x", timeout=5)
-    assert "import httpx" not in (Path(hub_ranges.__file__)).read_text()
+    assert "import httpx" not in Path(hub_ranges.__file__).read_text()

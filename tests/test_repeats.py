@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.engine.cache import KVCache
 from localchat.engine.heads import RetainingHeads
@@ -14,7 +15,6 @@ from localchat.engine.policies.repeats import LOW, TokenIds, cap_copies
 from localchat.engine.prefill import prefill
 from localchat.engine.rope import rope_inv_freq
 from localchat.errors import UserError
-from tiny import tiny_llama
 
 
 def _reference(prio, ids, cap):

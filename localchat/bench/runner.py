@@ -94,14 +94,10 @@ def check(config: BenchConfig) -> None:
     for length in config.lengths:
         if not MIN_LENGTH <= length <= MAX_LENGTH:
             raise UserError(f"length {length} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
-    takes = [p for p in POLICIES if "prefill_ratio" in POLICIES[p].options]
-    if config.sparse_prefill is not None and not set(takes) & set(config.policies):
-        raise UserError(f"--sparse-prefill applies to {', '.join(takes)}; add it to --policies or drop --sparse-prefill")
+    _applies(config.sparse_prefill, "prefill_ratio", "--sparse-prefill", config.policies)
     if config.sparse_prefill is not None and config.sparse_prefill <= 0:
         raise UserError(f"--sparse-prefill must be above 0 (the paper's R = 2), not {config.sparse_prefill:g}")
-    capped = [p for p in POLICIES if "max_copies" in POLICIES[p].options]
-    if config.max_copies is not None and not set(capped) & set(config.policies):
-        raise UserError(f"--max-copies applies to {', '.join(capped)}; add it to --policies or drop --max-copies")
+    _applies(config.max_copies, "max_copies", "--max-copies", config.policies)
     if config.max_copies is not None and config.max_copies < 1:
         raise UserError(f"--max-copies must be at least 1 in a benchmark (leave it out for no cap), not {config.max_copies}")
     if any(POLICIES[p].uses_budget() for p in config.policies) and not config.budgets:
@@ -121,6 +117,13 @@ def check(config: BenchConfig) -> None:
     if needs_heads and not config.heads and not _ships_heads(config.model):
         raise UserError(f"{needs_heads[0]} needs retaining heads and none ship for this model yet; pass --heads DIR, "
                         "or --heads random (an ablation)")
+
+
+def _applies(value, option: str, flag: str, policies: list[str]) -> None:
+    """A policy's own option given to a bench run: refused unless a policy that has it is in --policies."""
+    takes = [p for p in POLICIES if option in POLICIES[p].options]
+    if value is not None and not set(takes) & set(policies):
+        raise UserError(f"{flag} applies to {', '.join(takes)}; add it to --policies or drop {flag}")
 
 
 def _ships_heads(model: str | None) -> bool:
