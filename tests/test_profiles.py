@@ -156,6 +156,24 @@ def test_profile_list_and_show(config, capsys):
     assert lines["policy"].split()[1] == "locret" and "heads ship" in lines["policy"]
 
 
+def test_max_copies_from_a_profile_or_the_environment_reaches_locret(config, capsys):
+    """LOCRET's --max-copies is a profile setting like --stabilizers: profile < LOCALCHAT_MAX_COPIES < flag."""
+    from localchat.planning.resolve import resolve
+
+    config('[profiles.long]\npolicy = "locret"\nmax_copies = 64\n[profiles.wrong]\npolicy = "h2o"\nmax_copies = 8\n'
+           '[profiles.neg]\nmax_copies = -1\n')
+    params = lambda spec: dict(spec.policy.params)  # noqa: E731
+    spec = resolve({"profile": "long"}, env={}, plan=False, quiet=True)
+    assert spec.policy.name == "locret" and params(spec)["max_copies"] == 64
+    assert spec.sources["asked.max_copies"] == "profile long (config.toml)"
+    spec = resolve({"profile": "long"}, env={"LOCALCHAT_MAX_COPIES": "32"}, plan=False, quiet=True)
+    assert params(spec)["max_copies"] == 32
+    assert params(resolve({"profile": "long", "max_copies": 0}, env={}, plan=False, quiet=True))["max_copies"] == 0
+    with pytest.raises(UserError, match="--max-copies applies to --policy locret, not to h2o"):
+        resolve({"profile": "wrong"}, env={}, plan=False, quiet=True)
+    assert main(["profile", "validate"]) == 2
+    assert "profiles.neg.max_copies: must be >= 0 (got -1)" in capsys.readouterr().err
+
 def test_profile_validate_exit_codes(config, capsys):
     assert main(["profile", "validate"]) == 0
     config("[profiles.a]\nbudget = 0\n")

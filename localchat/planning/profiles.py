@@ -39,6 +39,7 @@ SETTINGS: dict[str, tuple[str, Any]] = {
     "chunk": ("int", 1),
     "stabilizers": ("int", 0),
     "local": ("int", 0),
+    "max_copies": ("int", 0),  # LOCRET's --max-copies (0: the paper's rule)
     "weights": ("choice", WEIGHT_DTYPES),
     "kv": ("choice", KV_DTYPES),
     "margin_mib": ("int", 0),
