@@ -174,6 +174,7 @@ def test_max_copies_from_a_profile_or_the_environment_reaches_locret(config, cap
     assert main(["profile", "validate"]) == 2
     assert "profiles.neg.max_copies: must be >= 0 (got -1)" in capsys.readouterr().err
 
+
 def test_profile_validate_exit_codes(config, capsys):
     assert main(["profile", "validate"]) == 0
     config("[profiles.a]\nbudget = 0\n")
