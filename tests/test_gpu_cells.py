@@ -3,7 +3,10 @@ and names its cells, so a lent GPU's few minutes are not lost to a typo (tools/g
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -33,3 +36,23 @@ def test_every_line_is_a_bench_dry_run(path, tmp_path, capsys):
         assert main(["bench", "--weights", "fp32", *args, "--in-process", "--out", str(out), "--dry-run"]) == 0, line
         listed = capsys.readouterr().out
         assert " left" in listed, line  # the dry run listed its cells
+
+
+def test_lanes_share_one_deadline(tmp_path):
+    """Every lane stops LIMIT_S seconds after lanes.sh starts: on session 10's H100 each lane took LIMIT_S from its
+    own staggered start, and the device call ran past its limit with the rows still on the machine."""
+    fake = tmp_path / "python"  # stands in for Python: the model check passes, each bench step hangs
+    fake.write_text('#!/bin/sh\ncase "$*" in *" bench "*) echo started; exec sleep 60;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    cells = tmp_path / "cells.txt"
+    cells.write_text("--tasks passkey --lengths 4k --policies full --budgets 1024 -n 1\n")
+    lanes = Path(__file__).parents[1] / "tools" / "gpu" / "lanes.sh"
+    env = {**os.environ, "PY": str(fake), "LANES": "5", "LIMIT_S": "6"}
+    t0 = time.monotonic()
+    subprocess.run(["bash", str(lanes), str(cells), str(tmp_path / "out")], env=env, check=True, timeout=120)
+    wall = time.monotonic() - t0
+    started = sorted(p.name for p in (tmp_path / "out").glob("lane*.log"))
+    # lanes 4 and 5 would start at 6 and 8 s: past the deadline (6 s, whole seconds as date +%s counts them)
+    assert started == ["lane1.log", "lane2.log", "lane3.log"]
+    assert all((tmp_path / "out" / name).read_text().startswith("started") for name in started)
+    assert wall < 6 + 10, wall  # the deadline and timeout's kill grace; lane 5 on its own 6 s would end at 14 s

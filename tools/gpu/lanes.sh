@@ -10,10 +10,10 @@
 # Rows use `--weights $WEIGHTS` (default fp32, the dtype of the CPU grid's rows) unless a line names its own;
 # the weights are part of each row's key, so GPU and CPU rows never mix by accident.
 # A 135M model keeps a GPU busy for a few percent of each step, so LANES processes (one torch thread each)
-# share it and claim examples from one results file (localchat/bench/lanes.py). Every lane stops after LIMIT_S
-# seconds (the example in flight is lost; rerun to resume: finished examples are skipped). A step that fails is
-# logged and the lane goes on with the next one. Rows go to
-# RESULTS_DIR/results.jsonl, each lane's log to RESULTS_DIR/laneN.log.
+# share it and claim examples from one results file (localchat/bench/lanes.py). Every lane stops LIMIT_S seconds
+# after this script starts, the model check and the staggered starts included (the example in flight is lost; rerun
+# to resume: finished examples are skipped). A step that fails is logged and the lane goes on with the next one.
+# Rows go to RESULTS_DIR/results.jsonl, each lane's log to RESULTS_DIR/laneN.log.
 
 set -o pipefail
 CELLS=${1:?usage: tools/gpu/lanes.sh CELLS RESULTS_DIR}
@@ -27,6 +27,7 @@ LIMIT_S=${LIMIT_S:-1500}
 WEIGHTS=${WEIGHTS:-fp32}
 . tools/gpu/env.sh
 export OMP_NUM_THREADS=1
+T0=$(date +%s)
 "$PY" -m localchat fetch-model >"$DIR/fetch.log" 2>&1 || { tail -3 "$DIR/fetch.log"; exit 1; }
 
 mapfile -t STEPS < <(grep -v '^[[:space:]]*\(#\|$\)' "$CELLS")
@@ -37,9 +38,10 @@ lane() {
             echo "lanes.sh: step failed (exit $?), going on with the next: $step"
     done
 }
-T0=$(date +%s)
 for i in $(seq 1 "$LANES"); do
-    timeout -k 10 "$LIMIT_S" bash -c "$(declare -p STEPS PY DIR WEIGHTS); $(declare -f lane); lane" >"$DIR/lane$i.log" 2>&1 &
+    left=$((LIMIT_S - ($(date +%s) - T0)))  # one deadline for all lanes
+    [ "$left" -gt 0 ] || break
+    timeout -k 10 "$left" bash -c "$(declare -p STEPS PY DIR WEIGHTS); $(declare -f lane); lane" >"$DIR/lane$i.log" 2>&1 &
     sleep 2  # staggered starts: the lanes claim different examples from the first cell on
 done
 wait
