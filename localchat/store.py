@@ -3,8 +3,9 @@
 Every save is atomic. The cache file is written under a new name (temporary file, fsync, rename), then
 one SQLite transaction points the chat at it, then the old file is removed: a process killed at any
 moment leaves the previous state (or the new one) readable, never a mix. A file such a kill leaves behind
-(written but never referenced, or no longer referenced but not yet removed) is collected by a later save or
-`localchat sessions` once it is ORPHAN_GRACE old.
+(half written, written but never referenced, or no longer referenced but not yet removed) is collected by a
+later save or `localchat sessions` once it is ORPHAN_GRACE old. Files are written in caches/partial/, since
+safetensors writes through a temporary file of its own beside the target, under a name of its own.
 
 A saved cache is reused only when its fingerprint (model, heads, policy settings, chunk, positions,
 library versions) and the hash of the text it holds match the conversation; otherwise the next turn
@@ -65,6 +66,22 @@ MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document
 # process's save in progress (written, waiting up to LOCK_WAIT for the database, not yet committed).
 ORPHAN_GRACE = 300.0
 CACHE_NAME = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}-[0-9]+\.(safetensors|tmp)")  # what _write_cache names
+PARTIAL = "partial"  # caches/partial/: files being written; anything old in it was left by a killed write
+LEGACY_TMP = re.compile(r"\.tmp[0-9A-Za-z]{6}")  # safetensors' own temporary file, in caches/ before PARTIAL
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    try:
+        return list(os.scandir(directory))
+    except OSError:
+        return []
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return path.lstat().st_mode
+    except OSError:
+        return 0
 
 
 def damaged(path: Path, exc: Exception) -> UserError:
@@ -349,8 +366,10 @@ class Store:
                 "format": "localchat-cache-1", "sha256": tensors_hash(tensors)}
         stem = hashlib.sha256(session.name.encode()).hexdigest()[:12]
         final = self.cache_dir / f"{stem}-{meta['text'][:12]}-{time.time_ns()}.safetensors"
-        tmp = final.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
+        scratch = self.cache_dir / PARTIAL
+        scratch.mkdir(exist_ok=True)
+        tmp = scratch / final.with_suffix(".tmp").name
+        save_file(tensors, str(tmp), metadata=meta)  # through a temporary file of its own, in scratch too
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -412,19 +431,18 @@ class Store:
 
     def collect_orphans(self, grace: float | None = None) -> int:
         """Remove cache files that no chat references and that are older than `grace` seconds (ORPHAN_GRACE):
-        what a process killed between writing its cache file and committing (or between committing and removing
-        the old file) left behind. Only regular files with names localchat writes, never through a symlink.
-        Returns how many went."""
+        what a process killed while writing its cache file (caches/partial/), between writing and committing, or
+        between committing and removing the old file left behind. Only regular files in caches/partial/ or with
+        names localchat (or safetensors, for it) writes, never through a symlink. Returns how many went."""
         cutoff = time.time() - (ORPHAN_GRACE if grace is None else grace)
         referenced = {row[0] for row in self.db.execute("SELECT cache_file FROM chats WHERE cache_file IS NOT NULL")}
+        ours = [e for e in _entries(self.cache_dir) if e.name not in referenced
+                and (CACHE_NAME.fullmatch(e.name) or LEGACY_TMP.fullmatch(e.name))]
+        scratch = self.cache_dir / PARTIAL
+        if stat.S_ISDIR(_lstat_mode(scratch)):  # every file in it is ours: a write in progress, or a killed one's
+            ours += _entries(scratch)
         removed = 0
-        try:
-            entries = list(os.scandir(self.cache_dir))
-        except OSError:
-            return 0
-        for entry in entries:
-            if entry.name in referenced or not CACHE_NAME.fullmatch(entry.name):
-                continue
+        for entry in ours:
             try:
                 st = entry.stat(follow_symlinks=False)
                 if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:

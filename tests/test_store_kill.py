@@ -135,11 +135,11 @@ def _run(trials: int, seed: int, tmp_path: Path, tiny_tok) -> None:
             assert notices == [] and session.kv_units == session.fed, where  # the file it points at is whole
             turns = session.turns
             referenced = store.db.execute("SELECT cache_file FROM chats").fetchone()[0]
-            files = {p.name for p in (tmp_path / "caches").iterdir()}
+            files = _tree(tmp_path / "caches")  # a kill inside the write leaves files in caches/partial/
             assert referenced in files, where
             assert store.collect_orphans() == 0 or len(files) == 1, where  # young leftovers stay (grace period)
             store.collect_orphans(grace=0)  # as a later save will once they are old
-            assert {p.name for p in (tmp_path / "caches").iterdir()} == {referenced}, where
+            assert _tree(tmp_path / "caches") == {referenced}, where
             store.close()
     finally:
         driver.stdin.close()
@@ -162,22 +162,35 @@ def test_killing_a_save_at_many_random_points(tmp_path, tiny_tok):
 
 
 def _orphans(caches: Path, outside: Path) -> dict[str, str]:
+    """Files a killed save can leave, and files that are not ours, in `caches`; all but the young ones old."""
     old = time.time() - ORPHAN_GRACE - 10
     names = {"orphan": "0123456789ab-0123456789ab-1.safetensors", "tmp": "0123456789ab-0123456789ab-2.tmp",
              "young": "0123456789ab-0123456789ab-3.safetensors", "user": "notes.safetensors",
-             "link": "0123456789ab-0123456789ab-4.safetensors", "dir": "0123456789ab-0123456789ab-5.safetensors"}
+             "link": "0123456789ab-0123456789ab-4.safetensors", "dir": "0123456789ab-0123456789ab-5.safetensors",
+             # safetensors writes through a temporary file of its own (".tmp" + 6 characters) beside its target:
+             # in caches/ before caches/partial/ existed, in caches/partial/ now
+             "legacy": ".tmpKlJOjc", "user tmp": ".tmpnotes.txt", "partial": "partial/0123456789ab-0123456789ab-6.tmp",
+             "partial st": "partial/.tmpAbCd12", "partial young": "partial/.tmpYoung1", "partial dir": "partial/sub"}
     outside.write_text("not ours")
+    (caches / "partial").mkdir(exist_ok=True)
     for key, name in names.items():
         path = caches / name
         if key == "link":
             path.symlink_to(outside)
-        elif key == "dir":
+        elif key.endswith("dir"):
             path.mkdir()
         else:
             path.write_text(key)
-        if key != "young":
+        if "young" not in key:
             os.utime(path, (old, old), follow_symlinks=False)
     return names
+
+
+KEPT = ("young", "user", "link", "dir", "user tmp", "partial young", "partial dir")
+
+
+def _tree(caches: Path) -> set[str]:
+    return {str(p.relative_to(caches)) for p in caches.rglob("*")} - {"partial"}
 
 
 def test_sessions_collects_old_orphans_only_plain_and_ours(tmp_path, monkeypatch, capsys):
@@ -187,8 +200,7 @@ def test_sessions_collects_old_orphans_only_plain_and_ours(tmp_path, monkeypatch
     Store().close()
     names = _orphans(tmp_path / "caches", tmp_path / "outside.safetensors")
     assert main(["sessions"]) == 0
-    left = {p.name for p in (tmp_path / "caches").iterdir()}
-    assert left == {names[k] for k in ("young", "user", "link", "dir")}
+    assert _tree(tmp_path / "caches") == {names[k] for k in KEPT}
     assert (tmp_path / "outside.safetensors").read_text() == "not ours"
 
 
@@ -202,6 +214,47 @@ def test_a_save_collects_old_orphans_and_keeps_its_own_file(tmp_path, tiny_engin
     for _ in session.send("hello", (), GenerationSettings(max_new_tokens=2)):
         pass
     store.save(session)
-    left = {p.name for p in (tmp_path / "caches").iterdir()}
     mine = store.db.execute("SELECT cache_file FROM chats").fetchone()[0]
-    assert left == {mine, *(names[k] for k in ("young", "user", "link", "dir"))}
+    assert _tree(tmp_path / "caches") == {mine, *(names[k] for k in KEPT)}
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from tiny import tiny_llama, tiny_tokenizer
+    from localchat.engine.engine import Engine
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.session import Session
+    from localchat.store import Store
+
+    tok = tiny_tokenizer()
+    session = Session(Engine(tiny_llama(len(tok)), tok, name="tiny", chunk=32), name="big")
+    for _ in session.send("hello", (), GenerationSettings(max_new_tokens=2)):
+        pass
+    big = torch.ones(96 << 20, dtype=torch.uint8)  # 96 MiB: a write slow enough to be caught inside
+    session.cache.tensors = lambda: {{"big": big}}
+    print("saving", flush=True)
+    Store({db!r}).save(session)
+""")
+
+
+def test_a_kill_inside_the_cache_write_leaves_only_files_a_later_save_collects(tmp_path):
+    """safetensors writes through a temporary file of its own, beside its target and under its own name
+    (".tmp" and 6 characters): a save killed inside that write used to leave a file no collection would remove."""
+    db = tmp_path / "k.sqlite3"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(tests=str(Path(__file__).parent), db=str(db))],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert writer.stdout.readline().startswith("saving")
+        partial, seen, t0 = tmp_path / "caches" / "partial", [], time.monotonic()
+        while not seen and writer.poll() is None and time.monotonic() - t0 < 60:
+            seen = [p.name for p in partial.iterdir()] if partial.is_dir() else []  # safetensors' file, or ours
+        writer.kill()
+    finally:
+        writer.wait()
+    assert seen, "the write ended before it could be killed inside"
+    store = Store(db)
+    assert not store.exists("big")
+    assert _tree(tmp_path / "caches")  # the kill left the partial write behind
+    assert store.collect_orphans() == 0  # young: it may be another process's write in progress
+    assert store.collect_orphans(grace=0) >= 1 and _tree(tmp_path / "caches") == set()
