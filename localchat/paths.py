@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import stat
+import time
 from pathlib import Path
 
 import platformdirs
@@ -39,3 +41,34 @@ def data_dir() -> Path:
 def config_dir() -> Path:
     """config.toml and tuned profiles."""
     return _dir("LOCALCHAT_CONFIG_DIR", platformdirs.user_config_dir(APP))
+
+
+def entries(directory: Path) -> list[os.DirEntry]:
+    """What is in `directory`; [] when it is missing or unreadable."""
+    try:
+        return list(os.scandir(directory))
+    except OSError:
+        return []
+
+
+def is_real_dir(path: Path) -> bool:
+    """A directory, not a symlink to one."""
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def remove_old_files(found: list[os.DirEntry], older_than: float) -> int:
+    """Unlink the regular files (never through a symlink) last written over `older_than` seconds ago; how many."""
+    cutoff = time.time() - older_than
+    removed = 0
+    for entry in found:
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:  # gone already (another process collected it), or not ours to remove
+            continue
+    return removed

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from localchat import __version__
 from localchat.chat_lock import ChatLock
 from localchat.errors import UserError
-from localchat.paths import data_dir
+from localchat.paths import data_dir, entries, is_real_dir, remove_old_files
 from localchat.session import Attachment, Session
 
 SCHEMA = 2
@@ -68,20 +68,6 @@ ORPHAN_GRACE = 300.0
 CACHE_NAME = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}-[0-9]+\.(safetensors|tmp)")  # what _write_cache names
 PARTIAL = "partial"  # caches/partial/: files being written; anything old in it was left by a killed write
 LEGACY_TMP = re.compile(r"\.tmp[0-9A-Za-z]{6}")  # safetensors' own temporary file, in caches/ before PARTIAL
-
-
-def _entries(directory: Path) -> list[os.DirEntry]:
-    try:
-        return list(os.scandir(directory))
-    except OSError:
-        return []
-
-
-def _lstat_mode(path: Path) -> int:
-    try:
-        return path.lstat().st_mode
-    except OSError:
-        return 0
 
 
 def damaged(path: Path, exc: Exception) -> UserError:
@@ -434,23 +420,13 @@ class Store:
         what a process killed while writing its cache file (caches/partial/), between writing and committing, or
         between committing and removing the old file left behind. Only regular files in caches/partial/ or with
         names localchat (or safetensors, for it) writes, never through a symlink. Returns how many went."""
-        cutoff = time.time() - (ORPHAN_GRACE if grace is None else grace)
         referenced = {row[0] for row in self.db.execute("SELECT cache_file FROM chats WHERE cache_file IS NOT NULL")}
-        ours = [e for e in _entries(self.cache_dir) if e.name not in referenced
+        ours = [e for e in entries(self.cache_dir) if e.name not in referenced
                 and (CACHE_NAME.fullmatch(e.name) or LEGACY_TMP.fullmatch(e.name))]
         scratch = self.cache_dir / PARTIAL
-        if stat.S_ISDIR(_lstat_mode(scratch)):  # every file in it is ours: a write in progress, or a killed one's
-            ours += _entries(scratch)
-        removed = 0
-        for entry in ours:
-            try:
-                st = entry.stat(follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                    os.unlink(entry.path)
-                    removed += 1
-            except OSError:  # gone already (another process collected it), or not ours to remove
-                continue
-        return removed
+        if is_real_dir(scratch):  # every file in it is ours: a write in progress, or a killed one's
+            ours += entries(scratch)
+        return remove_old_files(ours, ORPHAN_GRACE if grace is None else grace)
 
     def _new_name(self) -> str:
         n = 1 + self.db.execute("SELECT COUNT(*) FROM chats").fetchone()[0]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import time
 
+import pytest
 import torch
 
 from localchat.bench.corpus import split_of
@@ -64,3 +67,56 @@ def test_build_writes_label_files_once(tmp_path, tiny_tok):
     assert d["adjacent"][:-1].bool().any() and d["adjacent"][-1] == 0
     dataset.build(engine, samples, tmp_path, keep=128, window=32, say=notes.append)
     assert len(notes) == 2  # nothing recomputed
+
+
+def test_an_interrupted_label_write_leaves_nothing_in_the_folder_and_the_next_run_redoes_it(tmp_path, tiny_tok,
+                                                                                             monkeypatch):
+    engine = Engine(tiny_llama(len(tiny_tok), layers=2), tiny_tok, name="tiny", chunk=128)
+    samples = [make_sample("code", tiny_tok, 300, 1)]
+    real_save = dataset.save_file
+
+    def killed_after_the_write(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        raise KeyboardInterrupt  # the run stops between writing the file and renaming it into place
+
+    monkeypatch.setattr(dataset, "save_file", killed_after_the_write)
+    with pytest.raises(KeyboardInterrupt):
+        dataset.build(engine, samples, tmp_path, keep=128, window=32, say=lambda m: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["partial"]  # no half or stray file where files are read
+    left = tmp_path / "partial" / "sample-00000.safetensors"
+    assert left.exists()
+
+    monkeypatch.setattr(dataset, "save_file", real_save)
+    notes = []
+    dataset.build(engine, samples, tmp_path, keep=128, window=32, say=notes.append)
+    assert len(notes) == 1  # the interrupted sample is computed again, and nothing is left behind
+    assert not any((tmp_path / "partial").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["partial", "sample-00000.safetensors"]
+    assert dataset.load(tmp_path / "sample-00000.safetensors")["features"].shape[0] == 2
+
+
+def test_collect_leftovers_removes_only_old_partial_files(tmp_path):
+    old = time.time() - dataset.LEFTOVER_AGE - 60
+    scratch = tmp_path / "partial"
+    scratch.mkdir()
+    planted = {
+        tmp_path / "sample-00007.tmp": True,  # an earlier version's own temporary name
+        tmp_path / ".tmpAbC123": True,  # safetensors' temporary file, beside the target before partial/
+        scratch / "sample-00002.safetensors": True,
+        scratch / ".tmpXyZ789": False,  # young: a write in progress
+        tmp_path / "notes.tmp": False,  # the user's, not a name we write
+        tmp_path / "sample-00001.safetensors": False,  # a finished label file
+    }
+    for path, is_old in planted.items():
+        path.write_bytes(b"x")
+        if is_old or path.name != ".tmpXyZ789":
+            os.utime(path, (old, old))
+    (scratch / "kept-dir").mkdir()
+    target = tmp_path / "elsewhere.bin"
+    target.write_bytes(b"y")
+    os.utime(target, (old, old))
+    (scratch / "link").symlink_to(target)
+
+    assert dataset.collect_leftovers(tmp_path) == 3
+    assert {p for p in planted if p.exists()} == {p for p, is_old in planted.items() if not is_old}
+    assert (scratch / "kept-dir").is_dir() and (scratch / "link").is_symlink() and target.exists()

@@ -7,12 +7,18 @@ Each sample becomes `DIR/sample-NNNNN.safetensors` with
   positions [m] int64, adjacent [m] uint8 (1 when the next kept token is the next prompt token)
 The m tokens are whole windows: those holding a needle or the question, the windows the labels
 rank highest, and random windows (features of every token of an 8K prompt would be 470 MB).
+
+A file is written in DIR/partial/ and renamed into DIR when whole (safetensors writes through a temporary
+file of its own beside the target). What a killed run leaves there, or left in DIR before this, is removed
+by the next run once LEFTOVER_AGE old.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,10 +28,23 @@ from safetensors.torch import save_file
 
 from localchat.engine.events import Done
 from localchat.engine.sampling import GenerationSettings
+from localchat.paths import entries, is_real_dir, remove_old_files
 from localchat.train.labels import extract
 
 if TYPE_CHECKING:
     from localchat.train.data import TrainSample
+
+PARTIAL = "partial"
+LEFTOVER = re.compile(r"sample-\d{5}\.tmp|\.tmp[0-9A-Za-z]{6}")  # in DIR, from versions before PARTIAL
+LEFTOVER_AGE = 300.0  # seconds; a younger file may be another run's write in progress
+
+
+def collect_leftovers(out: Path, older_than: float = LEFTOVER_AGE) -> int:
+    """Remove the partial files killed runs left in `out`; how many."""
+    found = [e for e in entries(out) if LEFTOVER.fullmatch(e.name)]
+    if is_real_dir(out / PARTIAL):
+        found += entries(out / PARTIAL)
+    return remove_old_files(found, older_than)
 
 
 def needle_token_offsets(engine, prompt_text: str, needles: list[str]) -> list[tuple[int, int]]:
@@ -70,7 +89,9 @@ def _importance(full_logit: torch.Tensor) -> torch.Tensor:
 def build(engine, samples: list["TrainSample"], out: Path, *, chunk: int = 1024, window: int = 64,
           keep: int = 768, say=print) -> list[Path]:
     """Write one label file per sample (skipping those already written); return all paths."""
-    out.mkdir(parents=True, exist_ok=True)
+    scratch = out / PARTIAL
+    scratch.mkdir(parents=True, exist_ok=True)
+    collect_leftovers(out)
     paths = []
     for i, sample in enumerate(samples):
         path = out / f"sample-{i:05d}.safetensors"
@@ -102,9 +123,9 @@ def build(engine, samples: list["TrainSample"], out: Path, *, chunk: int = 1024,
         }
         meta = {"kind": sample.kind, "seed": str(sample.seed), "n_tokens": str(n), "answer": answer,
                 "spans": json.dumps(spans)}
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, tmp, metadata=meta)
-        tmp.replace(path)  # atomic: an interrupted run leaves no half file
+        tmp = scratch / path.name
+        save_file(tensors, str(tmp), metadata=meta)  # through a temporary file of its own, in scratch too
+        os.replace(tmp, path)  # atomic: an interrupted run leaves no half file in `out`
         say(f"labels {i + 1}/{len(samples)}: {sample.kind}, {n} tokens, {len(pos)} kept")
     return paths
 
