@@ -292,6 +292,34 @@ def test_perf_writes_every_row(tiny_dir, tmp_path, capsys):
     assert "median of 2 runs" in md
 
 
+def test_perf_measures_the_cap_beside_plain_locret(tiny_dir, tmp_path, monkeypatch):
+    """`bench perf --max-copies N`: a fifth side-by-side row that runs LOCRET with the cap (cap_copies is called
+    while it reads, and only then), and the cap's ratios to plain LOCRET in perf.json and perf.md."""
+    from localchat.bench import perf
+    from localchat.engine.policies import locret
+
+    calls, caps = [], []
+    real_cap, real_run = locret.cap_copies, perf._run
+    monkeypatch.setattr(locret, "cap_copies", lambda *a: calls.append(1) or real_cap(*a))
+    monkeypatch.setattr(perf, "_run", lambda engine, *a: caps.append(getattr(engine.policy, "max_copies", None))
+                        or real_run(engine, *a))
+    argv = ["bench", "perf", "--out", str(tmp_path), "--model", tiny_dir, "--chunk", "64", "--length", "256",
+            "--min-length", "128", "--max-length", "256", "--budget", "64", "--decode-tokens", "3",
+            "--max-copies", "2"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "perf.json").read_text())
+    rows = result["side_by_side"]
+    assert [r["row"] for r in rows[:2]] == ["full (ours: in-place KVCache)", "locret"]
+    assert len(rows) == 5 and rows[4]["row"] == "locret max-copies=2" and rows[4]["policy"] == "locret"
+    assert rows[4]["prompt_tokens"] == rows[1]["prompt_tokens"] and rows[4]["kv_units_per_head"] == rows[1]["kv_units_per_head"]
+    assert calls  # the capped row ran the cap: 593 tokens at budget 64 evict in every layer
+    assert caps == [None, None, 0, 2, 0, 0]  # full, floor, LOCRET, capped LOCRET, then plain LOCRET's scaling run
+    r = result["ratios"]
+    assert r["prefill_capped_vs_locret"] > 0 and len(r["prefill_capped_vs_locret_per_run"]) == 1
+    assert result["setup"]["max_copies"] == 2 and "--max-copies 2" in result["command"]
+    assert "The cap (`--max-copies 2`)" in (tmp_path / "perf.md").read_text()
+
+
 def test_decode_bench_rows_per_weights(tiny_dir, tmp_path):
     """`bench decode` loads one engine per --weights (packed int8/int4 on this CPU) and reports medians."""
     argv = ["bench", "decode", "--out", str(tmp_path), "--model", tiny_dir, "--chunk", "64", "--length", "256",

@@ -10,6 +10,8 @@
    step. No cache policy can decode faster than this, so floor / full bounds any policy's decode
    speedup at `length` on this machine. Next to it, the bound a byte count predicts for a memory-bound
    step: (weights + full KV) / (weights + kept KV).
+With `max_copies` N, a fifth row: LOCRET with `--max-copies N` on the same prompt, after the LOCRET row in
+   each run, for the cost of the cap (engine/policies/repeats.py).
 4. LOCRET time per token from `lengths[0]` to `lengths[-1]` (compact positions): a flat line means
    the total cost grows linearly with the length.
 With `repeat` R > 1 every row is measured R times (the side-by-side rows interleaved, then the
@@ -54,6 +56,7 @@ class PerfConfig:
     scaling_decode_tokens: int = 16
     seed: int = 0
     repeat: int = 1
+    max_copies: int | None = None  # also LOCRET with --max-copies N, beside plain LOCRET
     peer: str | None = None  # "llama.cpp": the same GGUF through llama-cpp-python in the same repeats (bench/peer.py)
     command: str = ""
 
@@ -142,7 +145,7 @@ def check(config: PerfConfig) -> None:
         if not MIN_LENGTH <= n <= MAX_LENGTH:
             raise UserError(f"length {n} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
     for value, what in ((config.decode_tokens, "--decode-tokens"), (config.chunk, "--chunk"),
-                        (config.budget, "--budget"), (config.repeat, "--repeat")):
+                        (config.budget, "--budget"), (config.repeat, "--repeat"), (config.max_copies, "--max-copies")):
         if value is not None and value < 1:
             raise UserError(f"{what} must be at least 1 (got {value})")
 
@@ -153,11 +156,11 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
     check(config)
     check_peer(config.peer, config.model)
 
-    def cell(policy: str, budget: int | None, positions: str) -> Cell:
+    def cell(policy: str, budget: int | None, positions: str, max_copies: int | None = None) -> Cell:
         return Cell(task="niah_single", length=config.length, policy=policy, budget=budget, n=1, seed=config.seed,
                     model_spec=config.model, heads=config.heads if "heads" in POLICIES[policy].fields() else None,
                     chunk=config.chunk or default_chunk(config.model), positions=positions,
-                    max_new_tokens=config.decode_tokens)
+                    max_new_tokens=config.decode_tokens, max_copies=max_copies)
 
     engine = load_engine(cell("full", None, "original"))
     if engine.window and config.length >= engine.window:
@@ -185,7 +188,14 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
         use_policy(engine, cell("locret", budget, "compact"))
         say(f"perf: locret b={budget}{tag(rep)}")
         locret = _row("locret", "locret", "compact", config.length, _run(engine, ids, config.decode_tokens))
-        runs["side_by_side"].append([full, locret, hf, floor])
+        capped = []
+        if config.max_copies:
+            use_policy(engine, cell("locret", budget, "compact", config.max_copies))
+            say(f"perf: locret b={budget} max-copies={config.max_copies}{tag(rep)}")
+            capped = [_row(f"locret max-copies={config.max_copies}", "locret", "compact", config.length,
+                           _run(engine, ids, config.decode_tokens))]
+            use_policy(engine, cell("locret", budget, "compact"))  # the scaling run is plain LOCRET
+        runs["side_by_side"].append([full, locret, hf, floor, *capped])
         if peer is not None:
             say(f"perf: {config.peer}{tag(rep)}")
             runs["peer"].append(peer_rows(peer, config.peer, ids, locret["kv_units_per_head"], config.decode_tokens))
@@ -194,7 +204,8 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
         for n, prompt, reps in zip(config.lengths, prompts, runs["locret_scaling"]):
             say(f"perf: locret scaling, {n} tokens{tag(rep)}")
             reps.append(_row("locret", "locret", "compact", n, _run(engine, prompt, config.scaling_decode_tokens)))
-    full, locret, hf, floor = (median_row([r[i] for r in runs["side_by_side"]]) for i in range(4))
+    side = [median_row([r[i] for r in runs["side_by_side"]]) for i in range(len(runs["side_by_side"][0]))]
+    full, locret, hf, floor = side[:4]
     scaling = [median_row(reps) for reps in runs["locret_scaling"]]
     per_token = [r["total_ms_per_token"] for r in scaling]
     policy = engine.policy
@@ -213,11 +224,12 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "repeat": config.repeat,
             "locret": {"budget": policy.budget, "stabilizers": getattr(policy, "stabilizers", None),
                        "local": policy.local},
+            "max_copies": config.max_copies,
             "prompt": "niah_single document at depth 0.5 in the app's layout (render.user_turn)",
             "date": time.strftime("%Y-%m-%d"), "peak_rss_bytes": machine.max_rss_bytes(),
         },
         "hardware": machine.hardware(), "versions": machine.versions(),
-        "side_by_side": [full, locret, hf, floor],
+        "side_by_side": side,
         "weights_mib": round(weights_mib, 1),
         "locret_scaling": scaling,
         "runs": runs,
@@ -232,8 +244,16 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "decode_locret_vs_full_per_run": [round(r[1]["decode_tok_s"] / r[0]["decode_tok_s"], 2)
                                               for r in runs["side_by_side"]],
             "total_ms_per_token_spread": round(max(per_token) / min(per_token) - 1, 3) if per_token else None,
+            **(_cap_ratios(side[4], locret, runs["side_by_side"]) if len(side) > 4 else {}),
         },
     }
+
+
+def _cap_ratios(capped: dict, locret: dict, runs: list[list[dict]]) -> dict:
+    """LOCRET with the cap against plain LOCRET: medians, and prefill per run."""
+    return {"prefill_capped_vs_locret": round(capped["prefill_tok_s"] / locret["prefill_tok_s"], 3),
+            "decode_capped_vs_locret": round(capped["decode_tok_s"] / locret["decode_tok_s"], 3),
+            "prefill_capped_vs_locret_per_run": [round(r[4]["prefill_tok_s"] / r[1]["prefill_tok_s"], 3) for r in runs]}
 
 
 def _vs_peer(rows: dict[str, dict], peer: list[dict] | None) -> dict:
@@ -292,6 +312,10 @@ def markdown(result: dict) -> str:
         f"{r['decode_full_vs_hf_dynamic_cache']}x; KV {r['kv_smaller_than_full']}x smaller."
         + (f" Decode LOCRET / full (ours) in each run: {', '.join(f'{x}x' for x in r['decode_locret_vs_full_per_run'])}."
            if len(r["decode_locret_vs_full_per_run"]) > 1 else ""), "",
+        *([(f"The cap (`--max-copies {s['max_copies']}`): prefill {r['prefill_capped_vs_locret']}x and decode "
+            f"{r['decode_capped_vs_locret']}x plain LOCRET's (prefill per run: "
+            f"{', '.join(f'{x}x' for x in r['prefill_capped_vs_locret_per_run'])})."), ""]
+          if s.get("max_copies") else []),
         "The DynamicCache row is the stock transformers path (a cache that concatenates per token), labelled "
         "apart; the `full (ours)` row is this engine's in-place cache.", "",
         f"Decode ceiling: the floor row (an almost empty cache, so each step reads little more than the "
