@@ -94,12 +94,17 @@ def load_engine(cell: Cell):
 
 def use_policy(engine, cell: Cell) -> None:
     """The cell's policy, resolved as the app resolves flags (LOCRET's n_s drops to budget // 4 where the card's
-    n_s >= budget)."""
+    n_s >= budget). One thing differs: a LOCRET cell without --max-copies runs the paper's rule (no cap), also
+    where the model card sets a cap, so that a row's `max_copies` says what ran."""
+    from localchat.engine.policies import policy_class
     from localchat.planning.load import policy_for
 
+    max_copies = cell.max_copies
+    if max_copies is None and "max_copies" in policy_class(cell.policy).options:
+        max_copies = 0
     engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
     engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, heads=cell.heads,
-                                 sparse_prefill=cell.sparse_prefill, max_copies=cell.max_copies), cell.positions)
+                                 sparse_prefill=cell.sparse_prefill, max_copies=max_copies), cell.positions)
 
 
 def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory: str = "subprocess",
