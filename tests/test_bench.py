@@ -173,6 +173,23 @@ def test_by_length_joins_results_dirs_at_one_budget(tmp_path, capsys):
                                                          "accuracy-by-length-passkey.png"]
 
 
+def test_by_length_writes_a_command_that_can_be_pasted(tmp_path):
+    """Policy labels hold spaces ("locret max-copies=4"): the command in by-length.md is quoted, and splitting it
+    as a shell would gives the arguments it was run with."""
+    import shlex
+
+    src = tmp_path / "my results"
+    src.mkdir()
+    (src / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in _fake_rows()))
+    out = tmp_path / "out"
+    argv = ["bench", "by-length", str(src), "--out", str(out), "--budget", "64", "--policies", "full,locret max-copies=4"]
+    assert main(argv) == 0
+    line = next(x for x in (out / "by-length.md").read_text().splitlines() if "Command: `" in x)
+    words = shlex.split(line.split("Command: `", 1)[1].rstrip("`"))
+    assert words == ["localchat", "bench", "by-length", "--out", str(out), str(src), "--budget", "64",
+                     "--policies", "full,locret max-copies=4"]
+
+
 def test_by_length_joins_gpu_fp32_rows_once_and_keeps_gpu_default_apart(tmp_path, capsys):
     """A GPU lane's `--weights fp32` rows join the CPU's plain series; an example both have counts once (the first
     source's); a GPU row at the device's default dtype is a series of its own."""

@@ -10,6 +10,7 @@ and writes per task a table (mean score and N per policy and length; each policy
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 from statistics import mean
 
@@ -89,6 +90,12 @@ def plot(plt, rows: list[dict], task: str, budget: int, out: Path) -> Path:
     return _save(plt, fig, out / f"accuracy-by-length-{safe}.png")
 
 
+def _command(args, out: Path, sources: list[Path]) -> str:
+    """The command that makes this report, quoted so that it can be pasted (policy labels hold spaces)."""
+    words = ["localchat", "bench", "by-length", "--out", str(out), *map(str, sources), "--budget", str(args.budget)]
+    return shlex.join(words + (["--policies", args.policies] if args.policies else []))
+
+
 def main(args) -> int:
     out, sources = Path(args.out), [Path(s) for s in args.sources]
     chosen = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
@@ -97,9 +104,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = [f"# Accuracy by document length (budget {args.budget}; full attention where it can read)", "",
           "Sources: " + ", ".join(f"`{s}`" for s in sources), "",
-          "Each cell: mean score (examples). Command: `localchat bench by-length --out "
-          f"{out} {' '.join(map(str, sources))} --budget {args.budget}"
-          f"{' --policies ' + args.policies if args.policies else ''}`", ""]
+          f"Each cell: mean score (examples). Command: `{_command(args, out, sources)}`", ""]
     try:
         import matplotlib
 
