@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
@@ -43,24 +45,27 @@ def config_dir() -> Path:
     return _dir("LOCALCHAT_CONFIG_DIR", platformdirs.user_config_dir(APP))
 
 
-def entries(directory: Path) -> list[os.DirEntry]:
-    """What is in `directory`; [] when it is missing or unreadable."""
+PARTIAL = "partial"  # DIR/partial/: files being written; an old one in it was left by a killed write
+SAFETENSORS_TMP = re.compile(r"\.tmp[0-9A-Za-z]{6}")  # safetensors' own temporary file, beside its target
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
     try:
         return list(os.scandir(directory))
     except OSError:
         return []
 
 
-def is_real_dir(path: Path) -> bool:
-    """A directory, not a symlink to one."""
+def collect_partial(directory: Path, ours: Callable[[str], bool], older_than: float) -> int:
+    """Remove what killed writes left: the regular files in `directory`/partial/ and the files in `directory` whose
+    names `ours` accepts, when last written over `older_than` seconds ago (a younger one may be a write in
+    progress). Never through a symlink, and only a real partial/ directory is looked into. Returns how many went."""
+    found = [e for e in _entries(directory) if ours(e.name)]
     try:
-        return stat.S_ISDIR(path.lstat().st_mode)
+        if stat.S_ISDIR((directory / PARTIAL).lstat().st_mode):
+            found += _entries(directory / PARTIAL)
     except OSError:
-        return False
-
-
-def remove_old_files(found: list[os.DirEntry], older_than: float) -> int:
-    """Unlink the regular files (never through a symlink) last written over `older_than` seconds ago; how many."""
+        pass
     cutoff = time.time() - older_than
     removed = 0
     for entry in found:

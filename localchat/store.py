@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from localchat import __version__
 from localchat.chat_lock import ChatLock
 from localchat.errors import UserError
-from localchat.paths import data_dir, entries, is_real_dir, remove_old_files
+from localchat.paths import PARTIAL, SAFETENSORS_TMP, collect_partial, data_dir
 from localchat.session import Attachment, Session
 
 SCHEMA = 2
@@ -66,8 +66,6 @@ MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document
 # process's save in progress (written, waiting up to LOCK_WAIT for the database, not yet committed).
 ORPHAN_GRACE = 300.0
 CACHE_NAME = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}-[0-9]+\.(safetensors|tmp)")  # what _write_cache names
-PARTIAL = "partial"  # caches/partial/: files being written; anything old in it was left by a killed write
-LEGACY_TMP = re.compile(r"\.tmp[0-9A-Za-z]{6}")  # safetensors' own temporary file, in caches/ before PARTIAL
 
 
 def damaged(path: Path, exc: Exception) -> UserError:
@@ -421,12 +419,11 @@ class Store:
         between committing and removing the old file left behind. Only regular files in caches/partial/ or with
         names localchat (or safetensors, for it) writes, never through a symlink. Returns how many went."""
         referenced = {row[0] for row in self.db.execute("SELECT cache_file FROM chats WHERE cache_file IS NOT NULL")}
-        ours = [e for e in entries(self.cache_dir) if e.name not in referenced
-                and (CACHE_NAME.fullmatch(e.name) or LEGACY_TMP.fullmatch(e.name))]
-        scratch = self.cache_dir / PARTIAL
-        if is_real_dir(scratch):  # every file in it is ours: a write in progress, or a killed one's
-            ours += entries(scratch)
-        return remove_old_files(ours, ORPHAN_GRACE if grace is None else grace)
+
+        def ours(name: str) -> bool:  # in caches/: our names, and safetensors' temporary files of earlier versions
+            return name not in referenced and bool(CACHE_NAME.fullmatch(name) or SAFETENSORS_TMP.fullmatch(name))
+
+        return collect_partial(self.cache_dir, ours, ORPHAN_GRACE if grace is None else grace)
 
     def _new_name(self) -> str:
         n = 1 + self.db.execute("SELECT COUNT(*) FROM chats").fetchone()[0]

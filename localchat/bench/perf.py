@@ -194,12 +194,12 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             say(f"perf: locret b={budget} max-copies={config.max_copies}{tag(rep)}")
             capped = [_row(f"locret max-copies={config.max_copies}", "locret", "compact", config.length,
                            _run(engine, ids, config.decode_tokens))]
-            use_policy(engine, cell("locret", budget, "compact"))  # the scaling run is plain LOCRET
         runs["side_by_side"].append([full, locret, hf, floor, *capped])
         if peer is not None:
             say(f"perf: {config.peer}{tag(rep)}")
             runs["peer"].append(peer_rows(peer, config.peer, ids, locret["kv_units_per_head"], config.decode_tokens))
     prompts = [_prompt(engine, n, config.seed) for n in config.lengths]
+    use_policy(engine, cell("locret", budget, "compact"))  # the scaling run is plain LOCRET
     for rep in range(config.repeat):  # lengths interleaved: a drift of the machine's speed hits them all
         for n, prompt, reps in zip(config.lengths, prompts, runs["locret_scaling"]):
             say(f"perf: locret scaling, {n} tokens{tag(rep)}")

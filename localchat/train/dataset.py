@@ -28,23 +28,20 @@ from safetensors.torch import save_file
 
 from localchat.engine.events import Done
 from localchat.engine.sampling import GenerationSettings
-from localchat.paths import entries, is_real_dir, remove_old_files
+from localchat.paths import PARTIAL, SAFETENSORS_TMP, collect_partial
 from localchat.train.labels import extract
 
 if TYPE_CHECKING:
     from localchat.train.data import TrainSample
 
-PARTIAL = "partial"
-LEFTOVER = re.compile(r"sample-\d{5}\.tmp|\.tmp[0-9A-Za-z]{6}")  # in DIR, from versions before PARTIAL
+OLD_TMP = re.compile(r"sample-\d{5}\.tmp")  # what versions before PARTIAL renamed from, in DIR
 LEFTOVER_AGE = 300.0  # seconds; a younger file may be another run's write in progress
 
 
 def collect_leftovers(out: Path, older_than: float = LEFTOVER_AGE) -> int:
     """Remove the partial files killed runs left in `out`; how many."""
-    found = [e for e in entries(out) if LEFTOVER.fullmatch(e.name)]
-    if is_real_dir(out / PARTIAL):
-        found += entries(out / PARTIAL)
-    return remove_old_files(found, older_than)
+    return collect_partial(out, lambda name: bool(OLD_TMP.fullmatch(name) or SAFETENSORS_TMP.fullmatch(name)),
+                           older_than)
 
 
 def needle_token_offsets(engine, prompt_text: str, needles: list[str]) -> list[tuple[int, int]]:
