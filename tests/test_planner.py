@@ -333,8 +333,8 @@ def test_plan_chooses_the_precision_the_memory_allows_and_the_engine_loads_it(wa
     argv = ["--model", str(model), "--policy", "locret", "--heads", "random"]
     _fake_device(monkeypatch, 64 * m.GIB)
     need = {pair: _plan_json([*argv, "--weights", pair[0], "--kv", pair[1]], capsys)["predicted_total"]
-            for pair in planner.precision_choices(Request(weights=None, kv=None), "cpu")}
-    better = planner.precision_choices(Request(weights=None, kv=None), "cpu")
+            for pair in planner.precision_choices(Request(weights=None, kv=None, kind="cpu"))}
+    better = planner.precision_choices(Request(weights=None, kv=None, kind="cpu"))
     better = better[: better.index(want)]
     assert all(need[p] > need[want] for p in better), "the memory axis must make `want` the best that fits"
     _fake_device(monkeypatch, need[want] + 1)
@@ -357,7 +357,7 @@ def test_plan_says_what_it_chose_and_what_the_next_step_up_needs():
     plan = make_plan(s, 12 * m.GIB, req, kind="cuda")
     assert (plan.weights, plan.kv) == ("int8", "int8") and plan.budget == 16384 and plan.fits
     assert plan.chosen == ("weights", "kv")
-    up = planner.precision_choices(req, "cuda")
+    up = planner.precision_choices(req)  # gpu_request: kind "cuda"
     up = up[up.index(("int8", "int8")) - 1]
     need = m.estimate(s, budget=16384, chunk=256, local=100, max_new=512, weights=up[0], compact=True,
                       kv=up[1] if up[1] != "none" else "bf16", act="bf16", d_r=1024, margin=m.GIB).total

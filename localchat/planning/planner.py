@@ -178,8 +178,8 @@ class Plan:
         return " (largest that fits, up to the model card's)" if r.card_chunk else " (largest that fits)"
 
 
-def _margin(req: Request, kind: str) -> int:
-    return req.margin if req.margin is not None else DEFAULT_MARGIN.get(kind, DEFAULT_MARGIN["cpu"])
+def _margin(req: Request) -> int:
+    return req.margin if req.margin is not None else DEFAULT_MARGIN.get(req.kind, DEFAULT_MARGIN["cpu"])
 
 
 def _estimate(shape: Shape, req: Request, budget: int, chunk: int, margin: int) -> Estimate:
@@ -212,9 +212,9 @@ def _chunk_order(req: Request) -> list[int]:
     return first + [c for c in sorted(CHUNKS, reverse=True) if c not in first]
 
 
-def precision_choices(req: Request, kind: str) -> list[tuple[str, str]]:
+def precision_choices(req: Request) -> list[tuple[str, str]]:
     """(weights, kv) pairs the plan may use, best quality first (a fixed one is the only choice on its side)."""
-    weights = [req.weights] if req.weights else list(WEIGHT_CHOICES.get(kind, WEIGHT_CHOICES["cpu"]))
+    weights = [req.weights] if req.weights else list(WEIGHT_CHOICES.get(req.kind, WEIGHT_CHOICES["cpu"]))
     kvs = [req.kv] if req.kv else list(KV_CHOICES)
     rank = {w: i for i, w in enumerate(weights)}
     pairs = [(w, k) for w in weights for k in kvs]
@@ -229,36 +229,35 @@ def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", mem
     """The plan for `memory` bytes, choosing the precision the request leaves open; UserError (saying what
     would fit) when nothing does."""
     req = replace(req, kind=kind)
-    pairs = precision_choices(req, kind)
+    pairs = precision_choices(req)
     if len(pairs) == 1:
-        return _plan_at(shape, memory, req.at(*pairs[0]), kind=kind, memory_source=memory_source)
+        return _plan_at(shape, memory, req.at(*pairs[0]), memory_source=memory_source)
     chosen = tuple(k for k in ("weights", "kv") if getattr(req, k) is None)
     # a 2-bit cache is the last resort: only when nothing else fits at all (not to keep the whole budget)
     main = [p for p in pairs if p[1] != "int2" or req.kv == "int2"]
-    plans = _plans(shape, memory, req, main, kind, memory_source)
+    plans = _plans(shape, memory, req, main, memory_source)
     if not plans:
-        plans = _plans(shape, memory, req, [p for p in pairs if p not in main], kind, memory_source)
+        plans = _plans(shape, memory, req, [p for p in pairs if p not in main], memory_source)
         main = pairs
     if not plans:
         w, k = pairs[-1]
-        e = _estimate(shape, req.at(w, k), 1, min(_chunk_order(req)), _margin(req, kind))
+        e = _estimate(shape, req.at(w, k), 1, min(_chunk_order(req)), _margin(req))
         raise UserError(f"{shape.name} does not fit in {memory / GIB:.1f} GiB even with {_label(w, k)}: the weights "
                         f"alone take {e.weights / GIB:.1f} GiB (+ margin {e.margin / GIB:.1f} GiB); try a smaller model")
     plan = plans[-1]
     if not _keeps_target(plan):  # none keeps the target: the largest budget
         plan = max(plans, key=lambda p: p.budget)
     plan.chosen = chosen
-    plan.precision = _why(shape, plan, main, memory, kind)
+    plan.precision = _why(shape, plan, main, memory)
     return plan
 
 
-def _plans(shape: Shape, memory: int, req: Request, pairs: list[tuple[str, str]], kind: str,
-           memory_source: str) -> list[Plan]:
+def _plans(shape: Shape, memory: int, req: Request, pairs: list[tuple[str, str]], memory_source: str) -> list[Plan]:
     """Plans at `pairs` in order, up to the first that keeps the target (those that fit at all)."""
     plans = []
     for pair in pairs:
         try:
-            plans.append(_plan_at(shape, memory, req.at(*pair), kind=kind, memory_source=memory_source))
+            plans.append(_plan_at(shape, memory, req.at(*pair), memory_source=memory_source))
         except UserError:
             continue
         if _keeps_target(plans[-1]):
@@ -281,7 +280,7 @@ def _keeps_target(plan: Plan) -> bool:
     return plan.budget >= _target(plan.shape, r) // 64 * 64
 
 
-def _why(shape: Shape, plan: Plan, pairs: list[tuple[str, str]], memory: int, kind: str) -> list[str]:
+def _why(shape: Shape, plan: Plan, pairs: list[tuple[str, str]], memory: int) -> list[str]:
     """What the plan chose and what the next step up would need."""
     r = plan.request
     pair = (r.weights, r.kv)
@@ -290,16 +289,17 @@ def _why(shape: Shape, plan: Plan, pairs: list[tuple[str, str]], memory: int, ki
     if index == 0:
         return [f"{_label(*pair)}: the highest quality, and it keeps {goal}"]
     up = pairs[index - 1]
-    need = _estimate(shape, r.at(*up), _target(shape, r), min(_chunk_order(r)), _margin(r, kind)).total
+    need = _estimate(shape, r.at(*up), _target(shape, r), min(_chunk_order(r)), _margin(r)).total
     lines = [f"{_label(*pair)}: the highest quality that keeps {goal} in {memory / GIB:.1f} GiB",
              f"next step up: {_label(*up)} would need {need / GIB:.1f} GiB at budget {_target(shape, r):,} "
              f"({(need - memory) / GIB:+.1f} GiB)"]
     return lines
 
 
-def _plan_at(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memory_source: str = "") -> Plan:
-    """The plan at the request's precision; UserError (saying what would fit) when nothing does."""
-    margin = _margin(req, kind)
+def _plan_at(shape: Shape, memory: int, req: Request, *, memory_source: str = "") -> Plan:
+    """The plan at the request's precision (for the device kind `req.kind`); UserError (saying what would fit)
+    when nothing does."""
+    margin = _margin(req)
     chunks = _chunk_order(req)
     smallest = min(chunks)
 
@@ -338,7 +338,7 @@ def _plan_at(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memo
     if chunk is None:
         raise UserError(f"chunk {req.chunk:,} does not fit with budget {budget:,} in {memory / GIB:.1f} GiB; "
                         f"try --chunk {smallest // 2 or 1}")
-    plan = Plan(shape, memory, memory_source or f"{kind}", kind, budget, chunk, req,
+    plan = Plan(shape, memory, memory_source or req.kind, req.kind, budget, chunk, req,
                 _estimate(shape, req, budget, chunk, margin))
     if req.budget is None and req.target and budget < min(req.target, target):
         plan.notes.append(f"budget lowered from the target {req.target:,} to fit the memory")
