@@ -27,7 +27,8 @@ from localchat.errors import UserError
 
 FOLLOWUP_TOKENS = 8  # answer length of the earlier multiturn turns (the model's own answers are kept)
 KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
-              "max_new_tokens", "turns", "weights", "kv", "sparse_prefill", "max_copies")
+              "max_new_tokens", "turns", "weights", "kv", "sparse_prefill", "max_copies",
+              "focus")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Cell:
     kv: str | None = None  # --kv int8/int4/int2 (None: unquantized cache)
     sparse_prefill: float | None = None  # omnikv only: --sparse-prefill R (None: full-attention reading)
     max_copies: int | None = None  # locret only: --max-copies N (None: no cap, the paper's rule)
+    focus: int | None = None  # locret only: --focus K (None: the answer reads every kept unit, the paper's rule)
 
     def key(self, example: int) -> str:
         return json.dumps([*(getattr(self, f) for f in KEY_FIELDS), example])
@@ -56,7 +58,7 @@ class Cell:
         budget = "" if self.budget is None else f" b={self.budget}"
         quant = "".join(f" {name}={v:g}" if isinstance(v, float) else f" {name}={v}" for name, v in
                         (("weights", self.weights), ("kv", self.kv), ("sparse-prefill", self.sparse_prefill),
-                         ("max-copies", self.max_copies)) if v)
+                         ("max-copies", self.max_copies), ("focus", self.focus)) if v)
         return f"{self.task} {self.length} {self.policy}{budget}{quant}"
 
 
@@ -99,12 +101,15 @@ def use_policy(engine, cell: Cell) -> None:
     from localchat.engine.policies import policy_class
     from localchat.planning.load import policy_for
 
-    max_copies = cell.max_copies
+    max_copies, focus = cell.max_copies, cell.focus
     if max_copies is None and "max_copies" in policy_class(cell.policy).options:
         max_copies = 0
+    if focus is None and "focus" in policy_class(cell.policy).options:
+        focus = 0
     engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
     engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, heads=cell.heads,
-                                 sparse_prefill=cell.sparse_prefill, max_copies=max_copies), cell.positions)
+                                 sparse_prefill=cell.sparse_prefill, max_copies=max_copies, focus=focus),
+                     cell.positions)
 
 
 def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory: str = "subprocess",

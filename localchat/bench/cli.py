@@ -69,6 +69,8 @@ def add_parser(subparsers) -> None:
                        help="omnikv cells: filter layers pick R x chunk earlier tokens while reading (docs/methods/omnikv.md §2.8)")
     bench.add_argument("--max-copies", type=int, default=None, metavar="N",
                        help="locret cells: keep at most N copies of one token per KV head (engine/policies/repeats.py)")
+    bench.add_argument("--focus", type=int, default=None, metavar="K",
+                       help="locret cells: answer from the K kept units per KV head the question attends to most (engine/focus.py)")
     bench.add_argument("--dry-run", action="store_true",
                        help="list the cells with examples left and estimate the time; run nothing")
     bench.add_argument("--in-process", action="store_true",
@@ -190,6 +192,8 @@ def _command(args, perf: bool) -> str:
             parts += ["--sparse-prefill", f"{args.sparse_prefill:g}"]
         if args.max_copies is not None:
             parts += ["--max-copies", str(args.max_copies)]
+        if args.focus is not None:
+            parts += ["--focus", str(args.focus)]
         for flag in ("weights", "kv"):
             if f[flag]:
                 parts += [f"--{flag}", f[flag]]
@@ -251,7 +255,7 @@ def run(args) -> int:
         turns=_ints(args.turns, "turns") if args.turns is not None else None,
         examples=_ints(args.examples, "examples") if args.examples is not None else None,
         weights=_quant_axis(f["weights"], "weights"), kv=_quant_axis(f["kv"], "kv"), sparse_prefill=args.sparse_prefill,
-        max_copies=args.max_copies, command=_command(args, perf=False),
+        max_copies=args.max_copies, focus=args.focus, command=_command(args, perf=False),
     )
     if args.dry_run:
         from localchat.bench.runner import dry_run

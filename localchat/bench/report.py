@@ -38,6 +38,8 @@ def load_rows(directory: Path) -> list[dict]:
             row["policy"] += f" sparse-prefill={row['sparse_prefill']:g}"
         if row.get("max_copies"):  # LOCRET with a cap on one token's copies per head
             row["policy"] += f" max-copies={row['max_copies']}"
+        if row.get("focus"):  # LOCRET answering from the units the question attends to
+            row["policy"] += f" focus={row['focus']}"
         default = _default_positions(row["policy"].split("[")[0].split()[0])
         if default and row.get("positions") and row["positions"] != default:
             row["policy"] += f" positions={row['positions']}"  # e.g. an evicting policy at original positions

@@ -70,6 +70,7 @@ class BenchConfig:
     kv: list[str | None] = field(default_factory=lambda: [None])  # --kv axis (None: unquantized)
     sparse_prefill: float | None = None  # omnikv cells: --sparse-prefill R
     max_copies: int | None = None  # locret cells: --max-copies N
+    focus: int | None = None  # locret cells: --focus K
     command: str = ""
     engines: dict = field(default_factory=dict, repr=False)  # in-process: loaded engines by (model, chunk)
 
@@ -100,6 +101,9 @@ def check(config: BenchConfig) -> None:
     _applies(config.max_copies, "max_copies", "--max-copies", config.policies)
     if config.max_copies is not None and config.max_copies < 1:
         raise UserError(f"--max-copies must be at least 1 in a benchmark (leave it out for no cap), not {config.max_copies}")
+    _applies(config.focus, "focus", "--focus", config.policies)
+    if config.focus is not None and config.focus < 1:
+        raise UserError(f"--focus must be at least 1 in a benchmark (leave it out to read every kept unit), not {config.focus}")
     if any(POLICIES[p].uses_budget() for p in config.policies) and not config.budgets:
         raise UserError("evicting (and selecting) policies need --budgets")
     for value, what in [*((b, "budget") for b in config.budgets), (config.n, "-n"),
@@ -160,6 +164,7 @@ def plan(config: BenchConfig) -> list[Cell]:
                         weights=weights, kv=kv,
                         sparse_prefill=config.sparse_prefill if "prefill_ratio" in cls.options else None,
                         max_copies=config.max_copies if "max_copies" in cls.options else None,
+                        focus=config.focus if "focus" in cls.options else None,
                     ))
     return cells
 

@@ -197,6 +197,10 @@ class KVLayer(DynamicLayer):
         self.n = n
         self._publish()
 
+    def hold(self, t: dict[str, torch.Tensor]) -> None:
+        """Hold exactly the units of a `tensors()` output (copied in)."""
+        self.fill(t["k"], t["v"], t["s"], t["p"], kr=t.get("kr"))
+
     def nbytes(self) -> int:
         """Bytes of the K/V units held (not the spare room, not the scores, not the key remainders)."""
         if self._k is None:
@@ -260,6 +264,10 @@ class KVCache(Cache):
                 layer.fill(*(tensors[f"{name}.{i}"] for name in "kvsp"), kr=tensors.get(f"kr.{i}"))
             else:
                 layer.reset()
+
+    def empty(self, reserve: int = 0) -> "KVCache":
+        """An empty cache of the same kind and positions, its layers' first allocation `reserve` units."""
+        return KVCache(len(self.layers), reserve=reserve, positions=self.positions, inv_freq=self.inv_freq)
 
     def clone(self) -> "KVCache":
         """An independent copy (a snapshot; the cache is bounded, so this is cheap for evicting policies)."""

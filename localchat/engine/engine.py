@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
+from localchat.engine import focus as focus_mod
 from localchat.engine import loading
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard
@@ -196,22 +197,34 @@ class Engine:
         if ext is not None and not isinstance(p, ext.owner):  # another policy kept units elsewhere: bring them back
             ext.restore(cache)
         p.attach(self.model, cache)
+        attached = True
+        focus = _Focus(self.model, cache, p, n, max_new)
+        answer: list[int] = []
         try:
             if p.evicts and cache.get_seq_length() > p.budget:  # an earlier turn: compress the history
                 evict(cache, p, last_chunk=True)
+            focus.arm_if_all_tail()
             logits = yield from prefill(self.model, cache, ids, chunk=self.chunk, policy=p, first_pos=first_pos,
-                                        cancel=cancel, on_oom=self._chunk_halved)
+                                        cancel=cancel, on_oom=self._chunk_halved, on_chunk=focus.on_chunk)
+            focus.disarm()
+            target = cache  # what the answer reads: the cache, or a focused view of it (engine/focus.py)
+            if focus.ready():
+                target = focus.view()
+                for s in range(focus.tail_start, n, self.chunk):  # the tail again, over the view
+                    logits = forward(self.model, target, ids[:, s:min(s + self.chunk, n)], first_pos + s)
+                p.detach()  # the view is not scored: the answer is fed to the cache afterwards
+                attached = False
             if self.device.type == "cuda":  # queued prefill work belongs to the prefill time
                 torch.cuda.synchronize()
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             if self.fused_decode:  # a quantized cache is read packed while decoding
-                fused = FusedDecode(self.model, cache)
-            lean = DecodeStep(self.model, cache, on_qkv=p.qkv_sink()) if self.lean_decode and lean_supported(self.model, cache) \
-                else None
+                fused = FusedDecode(self.model, target)
+            lean = DecodeStep(self.model, target, on_qkv=p.qkv_sink() if attached else None) \
+                if self.lean_decode and lean_supported(self.model, target) else None
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
-                max_new = min(max_new, self.window - cache.next_position(pos))
+                max_new = min(max_new, self.window - target.next_position(pos))
             while new < max_new:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled
@@ -226,10 +239,16 @@ class Engine:
                 if new == max_new and not keep_last:
                     break
                 step = torch.tensor([[tok]], device=self.device)
-                logits = lean.step(step, pos) if lean is not None else forward(self.model, cache, step, pos)
-                p.observe(cache, 1, step)  # answer tokens get scores too (multi-turn keeps them)
-                evict_while_decoding(cache, p)
+                logits = lean.step(step, pos) if lean is not None else forward(self.model, target, step, pos)
+                answer.append(tok)
+                if target is cache:
+                    p.observe(cache, 1, step)  # answer tokens get scores too (multi-turn keeps them)
+                    evict_while_decoding(cache, p)
                 pos += 1
+            if target is not cache and answer:  # the next turn starts from the cache: it gets the answer too
+                p.attach(self.model, cache)
+                attached = True
+                focus.feed(answer, first_pos + n, self.chunk)
             decode_s = time.perf_counter() - t1
             note = p.notice()  # a cap that bound while answering (CORM)
             if note:
@@ -241,9 +260,11 @@ class Engine:
             else:
                 decode_s = time.perf_counter() - t1
         finally:
+            focus.disarm()
             if fused is not None:
                 fused.close()
-            p.detach()
+            if attached:
+                p.detach()
         held = cache.get_seq_length()
         yield Done(
             text=decoder.text(), prompt_tokens=n, new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
@@ -252,11 +273,56 @@ class Engine:
         )
 
 
+class _Focus:
+    """One generation's focus (engine/focus.py): a probe armed for the prompt's tail, then a view of the cache."""
+
+    def __init__(self, model, cache: KVCache, policy: Policy, n: int, max_new: int):
+        self.model, self.cache, self.policy, self.max_new = model, cache, policy, max_new
+        self.k = policy.focus_units() if policy.evicts else 0
+        self.tail_start = max(0, n - policy.local)  # where the tail (the question) begins in the prompt
+        self.n = n
+        self.probe: focus_mod.Probe | None = None
+
+    def _arm(self) -> None:
+        held = self.cache.get_seq_length()
+        if self.k and held > self.k and self.probe is None:  # something to narrow
+            self.probe = focus_mod.Probe(self.model, held)
+
+    def arm_if_all_tail(self) -> None:
+        """A prompt within the local tail (a short follow-up): the units held before it are what the view narrows."""
+        if self.tail_start == 0:
+            self._arm()
+
+    def on_chunk(self, report) -> None:
+        if report.end == self.tail_start and report.end < self.n:  # the head's last chunk, evicted
+            self._arm()
+
+    def disarm(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+
+    def ready(self) -> bool:
+        return self.probe is not None and len(self.probe.votes) == len(self.cache.layers)
+
+    def view(self) -> KVCache:
+        return focus_mod.view(self.cache, self.probe.votes, self.probe.held, self.k,
+                              reserve=self.k + self.n - self.tail_start + self.max_new)
+
+    def feed(self, answer: list[int], first: int, chunk: int) -> None:
+        """Read the answer's tokens into the cache (scored by the policy), as decoding on it would have."""
+        ids = torch.tensor([answer], device=next(self.model.parameters()).device)
+        for s in range(0, len(answer), chunk):
+            piece = ids[:, s:s + chunk]
+            forward(self.model, self.cache, piece, first + s)
+            self.policy.observe(self.cache, piece.shape[-1], piece)
+
+
 def peak_units(policy: Policy, prompt_tokens: int, chunk: int, max_new: int) -> int:
     """The cache's peak length per KV head for a prompt (what the engine reserves and the planner plans for)."""
     if policy.bounded():
         grow = min(max_new, 2 * policy.decode_window) if policy.decode_window else max_new
-        return policy.budget + chunk + policy.local + grow
+        focus = policy.focus_units()  # a focused answer's view: its units, the tail again and the answer
+        return policy.budget + policy.local + grow + max(chunk, focus + policy.local if focus else 0)
     return prompt_tokens + max_new
 
 

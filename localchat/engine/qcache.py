@@ -231,9 +231,13 @@ class QuantizedKVLayer(KVLayer):
         for name in QUANT_KEYS:
             self._q[name][:, :, :nq] = t[name]
         self.nq, self.n = nq, nq + nt
-        self._tk[:, :, :nt], self._tv[:, :, :nt] = tk, tv
+        if nt:  # an empty tail allocates nothing (the next update does)
+            self._tk[:, :, :nt], self._tv[:, :, :nt] = tk, tv
         self._s[:, : self.n], self._p[:, : self.n] = t["s"], t["p"]
         self._publish()
+
+    def hold(self, t: dict[str, torch.Tensor]) -> None:
+        self.fill_quantized(t)
 
     def fill(self, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
         """Hold full-precision units (a cache saved without --kv): they enter as the tail, then are quantized."""
@@ -290,6 +294,10 @@ class QuantizedKVCache(KVCache):
             else:
                 layer.reset()
             layer.inv_freq = self.inv_freq if self.positions == "compact" else None
+
+    def empty(self, reserve: int = 0) -> "QuantizedKVCache":
+        return QuantizedKVCache(len(self.layers), self.bits, reserve=reserve, positions=self.positions,
+                                inv_freq=self.inv_freq, residual=self.residual, tail=self.tail)
 
     def clone(self) -> "QuantizedKVCache":
         copy = QuantizedKVCache(len(self.layers), self.bits, reserve=self.layers[0].reserve,

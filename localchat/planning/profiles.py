@@ -40,6 +40,7 @@ SETTINGS: dict[str, tuple[str, Any]] = {
     "stabilizers": ("int", 0),
     "local": ("int", 0),
     "max_copies": ("int", 0),  # LOCRET's --max-copies (0: the paper's rule)
+    "focus": ("int", 0),  # LOCRET's --focus (0: the paper's rule)
     "weights": ("choice", WEIGHT_DTYPES),
     "kv": ("choice", KV_DTYPES),
     "margin_mib": ("int", 0),

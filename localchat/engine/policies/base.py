@@ -28,6 +28,8 @@ Optional hooks (defaults keep the behaviour above; used by the seed methods othe
   prefill_start(cache, chunk)     before a prompt's first chunk, with the chunk size in force
   prefill_done(cache)             once the whole prompt is in the cache, before the first decoded token
   notice()                        a line for the user after prefill (e.g. "the cap bound"), or None
+  focus_units()                   > 0: answer from that many kept units per KV head that the question points
+                                  at (engine/focus.py; LOCRET's --focus)
 Policies with per-unit state beyond `scores` follow the cache's gathers by original position (`follow`).
 """
 
@@ -119,6 +121,11 @@ class Policy:
 
     def notice(self) -> str | None:
         return None
+
+    def focus_units(self) -> int:
+        """> 0: the answer reads this many kept units per KV head, those the question attends to most
+        (engine/focus.py); 0: every kept unit."""
+        return 0
 
     def qkv_sink(self):
         """`(layer_idx, qkv)` -> None taking a decoded token's pre-RoPE q/k/v `[1, (H_q + 2 H_kv) d]` in place of

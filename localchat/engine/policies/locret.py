@@ -30,9 +30,12 @@ class Locret(Policy):
     summary = "LOCRET: trained retaining heads score each unit; keep the top budget (default)"
     options = {"stabilizers": Option("--stabilizers", int, "LOCRET n_s: newest units protected per chunk"),
                "max_copies": Option("--max-copies", int, "LOCRET: keep at most N copies of one token per KV head "
-                                    "(0: no cap, the paper's rule; see engine/policies/repeats.py)")}
+                                    "(0: no cap, the paper's rule; see engine/policies/repeats.py)"),
+               "focus": Option("--focus", int, "LOCRET: answer from the N kept units per KV head the question attends "
+                               "to most (0: every kept unit, the paper's rule; see engine/focus.py)")}
     stabilizers: int = 256
     max_copies: int = 0  # 0: the paper's rule
+    focus: int = 0  # 0: the paper's rule (the answer reads every kept unit)
     heads: RetainingHeads | None = field(default=None, repr=False)
     cache = None  # the attached cache (not a field): queued tokens are scored into it
     token_ids = None  # --max-copies: the token id of each position the cache may hold (TokenIds, not a field)
@@ -45,6 +48,8 @@ class Locret(Policy):
             raise UserError(f"--stabilizers ({self.stabilizers}) must be below --budget ({self.budget})")
         if self.max_copies < 0:
             raise UserError(f"--max-copies must be >= 0 (0 means no cap; got {self.max_copies})")
+        if self.focus < 0:
+            raise UserError(f"--focus must be >= 0 (0 reads every kept unit; got {self.focus})")
 
     @classmethod
     def settle(cls, values, given):
@@ -97,6 +102,9 @@ class Locret(Policy):
         if layer_idx == 0 and self.cache is not None:  # once per eviction: forget what no layer holds
             self.token_ids.forget_except([held.positions for held in self.cache.layers])
         return cap_copies(prio, self.token_ids.lookup(layer.positions), self.max_copies)
+
+    def focus_units(self) -> int:
+        return self.focus
 
     def qkv_sink(self):
         return self.scorer.take_qkv
