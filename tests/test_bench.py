@@ -523,6 +523,39 @@ def test_max_copies_rows_are_locrets_own_and_a_key_of_their_own(tiny_dir, tmp_pa
     assert "--max-copies applies to locret" in capsys.readouterr().err
 
 
+def test_focus_rows_are_locrets_own_and_a_key_of_their_own(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "grid"
+    base = ["--tasks", "passkey", "--lengths", "256", "--budgets", "32", "-n", "1", "--heads", "random", "--in-process"]
+    assert main(_grid([*base, "--policies", "streaming,locret", "--focus", "8"], tiny_dir, out)) == 0
+    assert main(_grid([*base, "--policies", "locret"], tiny_dir, out)) == 0  # without focus: another row
+    rows = _rows(out)
+    assert sorted((r["policy"], r["focus"] or 0) for r in rows) == [("locret", 0), ("locret", 8), ("streaming", 0)]
+    assert all(r["error"] is None for r in rows)
+    assert main(["bench", "report", str(out)]) == 0
+    assert "| passkey | locret[random] focus=8 | 32 |" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(_grid([*base, "--policies", "streaming", "--focus", "8"], tiny_dir, out)) == 2
+    assert "--focus applies to locret" in capsys.readouterr().err
+
+
+def test_perf_measures_focus_beside_plain_locret(tiny_dir, tmp_path, monkeypatch):
+    from localchat.bench import perf
+    from localchat.engine import focus
+
+    views = []
+    real_view = focus.view
+    monkeypatch.setattr(focus, "view", lambda *a, **kw: views.append(1) or real_view(*a, **kw))
+    argv = ["bench", "perf", "--out", str(tmp_path), "--model", tiny_dir, "--chunk", "64", "--length", "256",
+            "--min-length", "128", "--max-length", "256", "--budget", "64", "--decode-tokens", "3", "--focus", "16"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "perf.json").read_text())
+    rows = result["side_by_side"]
+    assert len(rows) == 5 and rows[4]["row"] == "locret focus=16" and rows[4]["prompt_tokens"] == rows[1]["prompt_tokens"]
+    assert len(views) == 1  # only the focus row read a view
+    assert result["ratios"]["decode_focus_vs_locret"] > 0 and "--focus 16" in result["command"]
+    assert "Focus (`--focus 16`)" in (tmp_path / "perf.md").read_text()
+
+
 def test_side_by_side_ranks_policies_per_length_and_budget(tmp_path):
     rows = _fake_rows()
     for row in list(rows):  # a policy with one task only: shown, but without a mean

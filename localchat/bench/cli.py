@@ -89,6 +89,8 @@ def add_parser(subparsers) -> None:
     perf.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded side by side (default 64)")
     perf.add_argument("--max-copies", type=int, default=argparse.SUPPRESS, metavar="N",
                       help="also LOCRET with --max-copies N, for the cap's cost (a row beside plain LOCRET)")
+    perf.add_argument("--focus", type=int, default=argparse.SUPPRESS, metavar="K",
+                      help="also LOCRET with --focus K, for its cost (a row beside plain LOCRET)")
     perf.add_argument("--repeat", type=int, default=1,
                       help="measure every row this many times, interleaved; report the medians (default 1)")
     perf.add_argument("--peer", default=None,
@@ -177,6 +179,8 @@ def _command(args, perf: bool) -> str:
             parts += ["--budget", str(args.budget)]
         if args.max_copies is not None:
             parts += ["--max-copies", str(args.max_copies)]
+        if args.focus is not None:
+            parts += ["--focus", str(args.focus)]
     else:
         parts += ["--tasks", args.tasks, "--lengths", args.lengths, "--policies", args.policies,
                   "--budgets", args.budgets, "-n", str(args.n), "--out", args.out or ""]
@@ -315,6 +319,7 @@ def _run_perf(args) -> int:
         length=parse_length(args.length), lengths=doubling(low, high), budget=args.budget,
         heads=f["heads"] or "random", decode_tokens=args.decode_tokens,
         seed=f["seed"] or 0, repeat=args.repeat, peer=args.peer, max_copies=args.max_copies,
+        focus=args.focus,
         command=_command(args, perf=True),
     )
     path = run_perf(config, say=_say)

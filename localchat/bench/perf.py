@@ -11,7 +11,8 @@
    speedup at `length` on this machine. Next to it, the bound a byte count predicts for a memory-bound
    step: (weights + full KV) / (weights + kept KV).
 With `max_copies` N, a fifth row: LOCRET with `--max-copies N` on the same prompt, after the LOCRET row in
-   each run, for the cost of the cap (engine/policies/repeats.py).
+   each run, for the cost of the cap (engine/policies/repeats.py). With `focus` K, a row after it: LOCRET
+   with `--focus K` (engine/focus.py), for the cost of reading the tail twice and decoding on the view.
 4. LOCRET time per token from `lengths[0]` to `lengths[-1]` (compact positions): a flat line means
    the total cost grows linearly with the length.
 With `repeat` R > 1 every row is measured R times (the side-by-side rows interleaved, then the
@@ -57,6 +58,7 @@ class PerfConfig:
     seed: int = 0
     repeat: int = 1
     max_copies: int | None = None  # also LOCRET with --max-copies N, beside plain LOCRET
+    focus: int | None = None  # also LOCRET with --focus K, beside plain LOCRET
     peer: str | None = None  # "llama.cpp": the same GGUF through llama-cpp-python in the same repeats (bench/peer.py)
     command: str = ""
 
@@ -145,7 +147,8 @@ def check(config: PerfConfig) -> None:
         if not MIN_LENGTH <= n <= MAX_LENGTH:
             raise UserError(f"length {n} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
     for value, what in ((config.decode_tokens, "--decode-tokens"), (config.chunk, "--chunk"),
-                        (config.budget, "--budget"), (config.repeat, "--repeat"), (config.max_copies, "--max-copies")):
+                        (config.budget, "--budget"), (config.repeat, "--repeat"), (config.max_copies, "--max-copies"),
+                        (config.focus, "--focus")):
         if value is not None and value < 1:
             raise UserError(f"{what} must be at least 1 (got {value})")
 
@@ -156,11 +159,12 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
     check(config)
     check_peer(config.peer, config.model)
 
-    def cell(policy: str, budget: int | None, positions: str, max_copies: int | None = None) -> Cell:
+    def cell(policy: str, budget: int | None, positions: str, max_copies: int | None = None,
+             focus: int | None = None) -> Cell:
         return Cell(task="niah_single", length=config.length, policy=policy, budget=budget, n=1, seed=config.seed,
                     model_spec=config.model, heads=config.heads if "heads" in POLICIES[policy].fields() else None,
                     chunk=config.chunk or default_chunk(config.model), positions=positions,
-                    max_new_tokens=config.decode_tokens, max_copies=max_copies)
+                    max_new_tokens=config.decode_tokens, max_copies=max_copies, focus=focus)
 
     engine = load_engine(cell("full", None, "original"))
     if engine.window and config.length >= engine.window:
@@ -194,6 +198,11 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             say(f"perf: locret b={budget} max-copies={config.max_copies}{tag(rep)}")
             capped = [_row(f"locret max-copies={config.max_copies}", "locret", "compact", config.length,
                            _run(engine, ids, config.decode_tokens))]
+        if config.focus:
+            use_policy(engine, cell("locret", budget, "compact", focus=config.focus))
+            say(f"perf: locret b={budget} focus={config.focus}{tag(rep)}")
+            capped.append(_row(f"locret focus={config.focus}", "locret", "compact", config.length,
+                               _run(engine, ids, config.decode_tokens)))
         runs["side_by_side"].append([full, locret, hf, floor, *capped])
         if peer is not None:
             say(f"perf: {config.peer}{tag(rep)}")
@@ -224,7 +233,7 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "repeat": config.repeat,
             "locret": {"budget": policy.budget, "stabilizers": getattr(policy, "stabilizers", None),
                        "local": policy.local},
-            "max_copies": config.max_copies,
+            "max_copies": config.max_copies, "focus": config.focus,
             "prompt": "niah_single document at depth 0.5 in the app's layout (render.user_turn)",
             "date": time.strftime("%Y-%m-%d"), "peak_rss_bytes": machine.max_rss_bytes(),
         },
@@ -244,7 +253,8 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "decode_locret_vs_full_per_run": [round(r[1]["decode_tok_s"] / r[0]["decode_tok_s"], 2)
                                               for r in runs["side_by_side"]],
             "total_ms_per_token_spread": round(max(per_token) / min(per_token) - 1, 3) if per_token else None,
-            **(_cap_ratios(side[4], locret, runs["side_by_side"]) if len(side) > 4 else {}),
+            **(_cap_ratios(side[4], locret, runs["side_by_side"]) if config.max_copies else {}),
+            **(_focus_ratios(side[-1], locret, runs["side_by_side"]) if config.focus else {}),
         },
     }
 
@@ -254,6 +264,13 @@ def _cap_ratios(capped: dict, locret: dict, runs: list[list[dict]]) -> dict:
     return {"prefill_capped_vs_locret": round(capped["prefill_tok_s"] / locret["prefill_tok_s"], 3),
             "decode_capped_vs_locret": round(capped["decode_tok_s"] / locret["decode_tok_s"], 3),
             "prefill_capped_vs_locret_per_run": [round(r[4]["prefill_tok_s"] / r[1]["prefill_tok_s"], 3) for r in runs]}
+
+
+def _focus_ratios(focused: dict, locret: dict, runs: list[list[dict]]) -> dict:
+    """LOCRET with --focus against plain LOCRET: medians, and both speeds per run."""
+    return {"prefill_focus_vs_locret": round(focused["prefill_tok_s"] / locret["prefill_tok_s"], 3),
+            "decode_focus_vs_locret": round(focused["decode_tok_s"] / locret["decode_tok_s"], 3),
+            "decode_focus_vs_locret_per_run": [round(r[-1]["decode_tok_s"] / r[1]["decode_tok_s"], 3) for r in runs]}
 
 
 def _vs_peer(rows: dict[str, dict], peer: list[dict] | None) -> dict:
@@ -316,6 +333,10 @@ def markdown(result: dict) -> str:
             f"{r['decode_capped_vs_locret']}x plain LOCRET's (prefill per run: "
             f"{', '.join(f'{x}x' for x in r['prefill_capped_vs_locret_per_run'])})."), ""]
           if s.get("max_copies") else []),
+        *([(f"Focus (`--focus {s['focus']}`): prefill {r['prefill_focus_vs_locret']}x and decode "
+            f"{r['decode_focus_vs_locret']}x plain LOCRET's (decode per run: "
+            f"{', '.join(f'{x}x' for x in r['decode_focus_vs_locret_per_run'])})."), ""]
+          if s.get("focus") else []),
         "The DynamicCache row is the stock transformers path (a cache that concatenates per token), labelled "
         "apart; the `full (ours)` row is this engine's in-place cache.", "",
         f"Decode ceiling: the floor row (an almost empty cache, so each step reads little more than the "

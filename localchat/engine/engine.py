@@ -245,7 +245,7 @@ class Engine:
                     p.observe(cache, 1, step)  # answer tokens get scores too (multi-turn keeps them)
                     evict_while_decoding(cache, p)
                 pos += 1
-            if target is not cache and answer:  # the next turn starts from the cache: it gets the answer too
+            if target is not cache and answer and keep_last:  # a chat's next turn starts from the cache: feed the answer
                 p.attach(self.model, cache)
                 attached = True
                 focus.feed(answer, first_pos + n, self.chunk)

@@ -13,8 +13,8 @@ the cache keeps:
 3. A view holds, per layer and KV head, the top-K units by that vote (the first `SINKS` positions always), moved
    to slots 0..K-1 (`KVCache.keep`); the tail is read again over the view and the answer is decoded on it.
 
-The cache itself is not narrowed: a chat's next question starts from every kept unit (the engine feeds the answer
-into it afterwards). The view costs K + local + answer units beside the cache.
+The cache itself is not narrowed: a chat's next question starts from every kept unit (in a chat, `keep_last`, the
+engine feeds the answer into it afterwards). The view costs K + local + answer units beside the cache.
 """
 
 from __future__ import annotations
