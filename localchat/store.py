@@ -109,13 +109,17 @@ def _quantized_weights(engine) -> str | None:
     return f"{weights} {type(getattr(attn, 'q_proj', None) or attn.qkv_proj).__name__}"
 
 
+READ_ONLY = ("focus",)  # settings that change what an answer reads, not what the cache holds (engine/focus.py)
+
+
 def fingerprint(engine) -> str:
     """What a saved cache depends on besides the text: model, policy (incl. heads), versions."""
     import transformers
 
     facts = {
         "model": engine.name, "config": engine.model.config.to_json_string(use_diff=False),
-        "dtype": str(next(engine.model.parameters()).dtype), "settings": settings_of(engine),
+        "dtype": str(next(engine.model.parameters()).dtype),
+        "settings": {k: v for k, v in settings_of(engine).items() if k not in READ_ONLY},
         "heads": _heads_hash(getattr(engine.policy, "heads", None)), "weights": _quantized_weights(engine),
         "torch": torch.__version__, "transformers": transformers.__version__, "localchat": __version__,
     }
