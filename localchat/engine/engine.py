@@ -224,7 +224,7 @@ class Engine:
                 if self.lean_decode and lean_supported(self.model, target) else None
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
-                max_new = min(max_new, self.window - target.next_position(pos))
+                max_new = min(max_new, self.window - cache.next_position(pos))  # the cache, not a view: it gets the answer
             while new < max_new:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled
