@@ -508,34 +508,20 @@ def test_sparse_prefill_rows_are_omnikvs_own(tiny_dir, tmp_path, capsys):
     assert "--sparse-prefill applies to omnikv" in capsys.readouterr().err
 
 
-def test_max_copies_rows_are_locrets_own_and_a_key_of_their_own(tiny_dir, tmp_path, capsys):
+@pytest.mark.parametrize(("field", "flag", "value"), [("max_copies", "--max-copies", 4), ("focus", "--focus", 8)])
+def test_locret_option_rows_are_locrets_own_and_a_key_of_their_own(tiny_dir, tmp_path, capsys, field, flag, value):
     out = tmp_path / "grid"
     base = ["--tasks", "passkey", "--lengths", "256", "--budgets", "32", "-n", "1", "--heads", "random", "--in-process"]
-    assert main(_grid([*base, "--policies", "streaming,locret", "--max-copies", "4"], tiny_dir, out)) == 0
-    assert main(_grid([*base, "--policies", "locret"], tiny_dir, out)) == 0  # the uncapped cell is another row
+    assert main(_grid([*base, "--policies", "streaming,locret", flag, str(value)], tiny_dir, out)) == 0
+    assert main(_grid([*base, "--policies", "locret"], tiny_dir, out)) == 0  # without the option: another row
     rows = _rows(out)
-    assert sorted((r["policy"], r["max_copies"] or 0) for r in rows) == [("locret", 0), ("locret", 4), ("streaming", 0)]
+    assert sorted((r["policy"], r[field] or 0) for r in rows) == [("locret", 0), ("locret", value), ("streaming", 0)]
     assert all(r["error"] is None for r in rows)
     assert main(["bench", "report", str(out)]) == 0
-    assert "| passkey | locret[random] max-copies=4 | 32 |" in (out / "report.md").read_text()
+    assert f"| passkey | locret[random] {flag[2:]}={value} | 32 |" in (out / "report.md").read_text()
     capsys.readouterr()
-    assert main(_grid([*base, "--policies", "streaming", "--max-copies", "4"], tiny_dir, out)) == 2
-    assert "--max-copies applies to locret" in capsys.readouterr().err
-
-
-def test_focus_rows_are_locrets_own_and_a_key_of_their_own(tiny_dir, tmp_path, capsys):
-    out = tmp_path / "grid"
-    base = ["--tasks", "passkey", "--lengths", "256", "--budgets", "32", "-n", "1", "--heads", "random", "--in-process"]
-    assert main(_grid([*base, "--policies", "streaming,locret", "--focus", "8"], tiny_dir, out)) == 0
-    assert main(_grid([*base, "--policies", "locret"], tiny_dir, out)) == 0  # without focus: another row
-    rows = _rows(out)
-    assert sorted((r["policy"], r["focus"] or 0) for r in rows) == [("locret", 0), ("locret", 8), ("streaming", 0)]
-    assert all(r["error"] is None for r in rows)
-    assert main(["bench", "report", str(out)]) == 0
-    assert "| passkey | locret[random] focus=8 | 32 |" in (out / "report.md").read_text()
-    capsys.readouterr()
-    assert main(_grid([*base, "--policies", "streaming", "--focus", "8"], tiny_dir, out)) == 2
-    assert "--focus applies to locret" in capsys.readouterr().err
+    assert main(_grid([*base, "--policies", "streaming", flag, str(value)], tiny_dir, out)) == 2
+    assert f"{flag} applies to locret" in capsys.readouterr().err
 
 
 def test_perf_measures_focus_beside_plain_locret(tiny_dir, tmp_path, monkeypatch):

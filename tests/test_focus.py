@@ -145,28 +145,6 @@ def test_focus_is_validated_and_planned(engine):
     assert peak_units(_locret(engine, focus=8), 10_000, 32, 10) == peak_units(_locret(engine), 10_000, 32, 10)
 
 
-def test_the_cards_focus_reaches_the_app_but_not_a_bench_cell_without_focus(tiny_tok):
-    """SmolLM2's card sets focus 256: the app's LOCRET takes it (a flag overrides it); a bench cell without
-    --focus reads every kept unit, so that its row's focus (null) says what ran."""
-    from dataclasses import replace
-
-    from localchat.bench.cell import Cell, use_policy
-    from localchat.engine.cards import default_card
-    from localchat.planning.load import policy_for
-
-    assert default_card().locret["focus"] == 256
-    card = replace(default_card(), locret={**default_card().locret, "budget": 64, "stabilizers": 16})
-    engine = Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", card=card, chunk=64)
-    assert policy_for(engine, "locret", heads="random").focus == 256
-    assert policy_for(engine, "locret", heads="random", focus=0).focus == 0
-    cell = Cell(task="passkey", length=512, policy="locret", budget=64, n=1, seed=0, model_spec=None,
-                heads="random", chunk=64, positions="compact", max_new_tokens=4)
-    use_policy(engine, cell)
-    assert engine.policy.focus == 0
-    use_policy(engine, replace(cell, focus=16))
-    assert engine.policy.focus == 16
-
-
 def test_a_saved_chat_stays_valid_when_only_focus_changes(engine):
     from localchat.store import fingerprint
 

@@ -96,9 +96,10 @@ def test_max_copies_must_not_be_negative(model):
         make_policy("locret", heads=RetainingHeads.random(model, d_r=32), max_copies=-1)
 
 
-def test_a_cards_cap_reaches_the_app_but_not_a_bench_cell_without_max_copies(tiny_tok):
-    """SmolLM2's card sets max_copies; the app's LOCRET takes it (a flag overrides it), while a bench cell without
-    --max-copies runs the paper's rule, so that its row's max_copies (null) says what ran."""
+@pytest.mark.parametrize(("option", "card_value", "given"), [("max_copies", 64, 8), ("focus", 256, 16)])
+def test_a_cards_locret_options_reach_the_app_but_not_a_bench_cell_without_them(tiny_tok, option, card_value, given):
+    """SmolLM2's card sets max_copies and focus; the app's LOCRET takes them (a flag overrides them), while a bench
+    cell without --max-copies / --focus runs the paper's rule, so that its row's field (null) says what ran."""
     from dataclasses import replace
 
     from localchat.bench.cell import Cell, use_policy
@@ -106,16 +107,16 @@ def test_a_cards_cap_reaches_the_app_but_not_a_bench_cell_without_max_copies(tin
     from localchat.engine.engine import Engine
     from localchat.planning.load import policy_for
 
-    assert default_card().locret["max_copies"] == 64
+    assert default_card().locret[option] == card_value
     card = replace(default_card(), locret={**default_card().locret, "budget": 64, "stabilizers": 16})
     engine = Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", card=card, chunk=64)
-    assert policy_for(engine, "locret", heads="random").max_copies == 64
-    assert policy_for(engine, "locret", heads="random", max_copies=0).max_copies == 0
+    assert getattr(policy_for(engine, "locret", heads="random"), option) == card_value
+    assert getattr(policy_for(engine, "locret", heads="random", **{option: 0}), option) == 0
     cell = Cell(task="passkey", length=512, policy="locret", budget=64, n=1, seed=0, model_spec=None,
                 heads="random", chunk=64, positions="compact", max_new_tokens=4)
     use_policy(engine, cell)
-    assert engine.policy.max_copies == 0
-    use_policy(engine, replace(cell, max_copies=8))
-    assert engine.policy.max_copies == 8
+    assert getattr(engine.policy, option) == 0
+    use_policy(engine, replace(cell, **{option: given}))
+    assert getattr(engine.policy, option) == given
     use_policy(engine, replace(cell, policy="h2o", heads=None))  # a policy without the option is not handed one
     assert engine.policy.name == "h2o"
