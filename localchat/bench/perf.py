@@ -192,18 +192,18 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
         use_policy(engine, cell("locret", budget, "compact"))
         say(f"perf: locret b={budget}{tag(rep)}")
         locret = _row("locret", "locret", "compact", config.length, _run(engine, ids, config.decode_tokens))
-        capped = []
+        extra = []  # the optional LOCRET rows: with the cap, with focus
         if config.max_copies:
             use_policy(engine, cell("locret", budget, "compact", config.max_copies))
             say(f"perf: locret b={budget} max-copies={config.max_copies}{tag(rep)}")
-            capped = [_row(f"locret max-copies={config.max_copies}", "locret", "compact", config.length,
-                           _run(engine, ids, config.decode_tokens))]
+            extra.append(_row(f"locret max-copies={config.max_copies}", "locret", "compact", config.length,
+                              _run(engine, ids, config.decode_tokens)))
         if config.focus:
             use_policy(engine, cell("locret", budget, "compact", focus=config.focus))
             say(f"perf: locret b={budget} focus={config.focus}{tag(rep)}")
-            capped.append(_row(f"locret focus={config.focus}", "locret", "compact", config.length,
-                               _run(engine, ids, config.decode_tokens)))
-        runs["side_by_side"].append([full, locret, hf, floor, *capped])
+            extra.append(_row(f"locret focus={config.focus}", "locret", "compact", config.length,
+                              _run(engine, ids, config.decode_tokens)))
+        runs["side_by_side"].append([full, locret, hf, floor, *extra])
         if peer is not None:
             say(f"perf: {config.peer}{tag(rep)}")
             runs["peer"].append(peer_rows(peer, config.peer, ids, locret["kv_units_per_head"], config.decode_tokens))
