@@ -253,24 +253,20 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
             "decode_locret_vs_full_per_run": [round(r[1]["decode_tok_s"] / r[0]["decode_tok_s"], 2)
                                               for r in runs["side_by_side"]],
             "total_ms_per_token_spread": round(max(per_token) / min(per_token) - 1, 3) if per_token else None,
-            **(_cap_ratios(side[4], locret, runs["side_by_side"]) if config.max_copies else {}),
-            **(_focus_ratios(side[-1], locret, runs["side_by_side"]) if config.focus else {}),
+            **(_extra_ratios("capped", side, runs["side_by_side"], 4, "prefill") if config.max_copies else {}),
+            **(_extra_ratios("focus", side, runs["side_by_side"], -1, "decode") if config.focus else {}),
         },
     }
 
 
-def _cap_ratios(capped: dict, locret: dict, runs: list[list[dict]]) -> dict:
-    """LOCRET with the cap against plain LOCRET: medians, and prefill per run."""
-    return {"prefill_capped_vs_locret": round(capped["prefill_tok_s"] / locret["prefill_tok_s"], 3),
-            "decode_capped_vs_locret": round(capped["decode_tok_s"] / locret["decode_tok_s"], 3),
-            "prefill_capped_vs_locret_per_run": [round(r[4]["prefill_tok_s"] / r[1]["prefill_tok_s"], 3) for r in runs]}
-
-
-def _focus_ratios(focused: dict, locret: dict, runs: list[list[dict]]) -> dict:
-    """LOCRET with --focus against plain LOCRET: medians, and both speeds per run."""
-    return {"prefill_focus_vs_locret": round(focused["prefill_tok_s"] / locret["prefill_tok_s"], 3),
-            "decode_focus_vs_locret": round(focused["decode_tok_s"] / locret["decode_tok_s"], 3),
-            "decode_focus_vs_locret_per_run": [round(r[-1]["decode_tok_s"] / r[1]["decode_tok_s"], 3) for r in runs]}
+def _extra_ratios(name: str, side: list[dict], runs: list[list[dict]], at: int, per_run: str) -> dict:
+    """An optional LOCRET row (`name`: capped, focus; column `at`) against plain LOCRET (column 1): the medians'
+    ratios, and the `per_run` speed's (prefill, decode) ratio in every run."""
+    out = {f"{what}_{name}_vs_locret": round(side[at][f"{what}_tok_s"] / side[1][f"{what}_tok_s"], 3)
+           for what in ("prefill", "decode")}
+    out[f"{per_run}_{name}_vs_locret_per_run"] = [round(r[at][f"{per_run}_tok_s"] / r[1][f"{per_run}_tok_s"], 3)
+                                                  for r in runs]
+    return out
 
 
 def _vs_peer(rows: dict[str, dict], peer: list[dict] | None) -> dict:
