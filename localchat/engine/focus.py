@@ -61,7 +61,7 @@ def spread(votes: torch.Tensor, positions: torch.Tensor, after: int = SPREAD) ->
 def picks(votes: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
     """Slots `[H, min(k, n)]` (ascending per head) of the top-k units by spread vote, the first SINKS positions
     first."""
-    score = spread(votes, positions)
+    score = spread(votes, positions, SPREAD)
     score[positions < SINKS] = float("inf")
     return score.topk(min(k, score.shape[-1]), dim=-1).indices.sort(dim=-1).values
 

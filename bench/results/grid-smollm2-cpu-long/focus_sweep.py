@@ -1,0 +1,101 @@
+# Focus settings on saved caches (session 14): LOCRET b=BUDGET (cap CAP) reads the document as the bench lane does
+# and the cache before the prompt's tail is saved under $SNAPS (question_read.py's files, the same names). For
+# every WINDOW x SPREAD x K the engine's own focus code (localchat/engine/focus.py: Probe, view) runs on a copy:
+# the tail is read with the probe installed, the view is built, the tail is read again over it and the answer is
+# decoded greedily on it, as Engine._generate does. One JSON line per setting on stdout, with the share of the
+# answer's prompt tokens held in the cache and in the view (over layers and KV heads).
+# usage: python focus_sweep.py TASK LENGTH EXAMPLE BUDGET CAP WINDOWS SPREADS KS   (lists comma-separated)
+import json, os, sys, time
+import torch
+torch.set_num_threads(int(os.environ.get("THREADS", "1")))
+from localchat.bench.cell import Cell, answer_tokens, load_engine, sample_for, use_policy
+from localchat.bench.tasks import prompt_messages, score
+from localchat.engine import focus
+from localchat.engine.prefill import forward, prefill
+
+task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+windows, spreads, ks = ([int(x) for x in a.split(",")] for a in sys.argv[6:9])
+MAX_NEW = 24
+cell = Cell(task=task, length=length, policy="locret", budget=budget, n=20, seed=0, model_spec=None, heads=None,
+            chunk=512, positions="compact", max_new_tokens=MAX_NEW, max_copies=cap)
+engine = load_engine(cell)
+use_policy(engine, cell)
+model, p = engine.model, engine.policy
+sample = sample_for(cell, engine.tokenizer, example)
+text = engine.render(prompt_messages(sample))
+ids = engine.encode(text)
+n = len(ids)
+head_end = n - p.local
+where = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
+snaps = os.environ.get("SNAPS", "/tmp/qread")
+os.makedirs(snaps, exist_ok=True)
+snap_file = f"{snaps}/{task}-{length}-{example}-b{budget}-c{cap}.pt"
+
+
+@torch.inference_mode()
+def document():
+    """The cache after the document's last eviction (saved once, then loaded)."""
+    cache = engine.new_cache(n, MAX_NEW)
+    if os.path.exists(snap_file):
+        cache.load_tensors(torch.load(snap_file))
+        return cache
+    p.attach(model, cache)
+    held = {}
+    def at_chunk(report):
+        if report.end == head_end:
+            held["cache"] = cache.clone()
+    t = time.time()
+    gen = prefill(model, cache, torch.tensor([ids]), chunk=engine.chunk, policy=p, on_chunk=at_chunk)
+    try:
+        while True:
+            next(gen)
+    except StopIteration:
+        pass
+    p.detach()
+    print(json.dumps({"prefill_s": round(time.time() - t)}), file=sys.stderr)
+    torch.save({k: v.clone() for k, v in held["cache"].tensors().items()}, snap_file)
+    return held["cache"]
+
+
+def share(cache) -> float | None:
+    if len(where) == 0:
+        return None
+    got = sum(int(torch.isin(layer.positions, where).sum()) for layer in cache.layers)
+    return round(got / (len(cache.layers) * cache.layers[0].positions.shape[0] * len(where)), 4)
+
+
+@torch.inference_mode()
+def run(doc, window: int, spread: int, k: int) -> dict:
+    focus.WINDOW, focus.SPREAD = window, spread
+    cache = doc.clone()
+    held = cache.get_seq_length()
+    tail = torch.tensor([ids[head_end:]])
+    probe = focus.Probe(model, held)
+    try:
+        forward(model, cache, tail, head_end)
+    finally:
+        probe.close()
+    view = focus.view(cache, probe.votes, held, k, reserve=k + tail.shape[-1] + MAX_NEW)
+    logits = forward(model, view, tail, head_end)
+    out, pos = [], n
+    for _ in range(MAX_NEW):
+        tok = int(logits.argmax())
+        if tok in engine.stop_ids:
+            break
+        out.append(tok)
+        logits = forward(model, view, torch.tensor([[tok]]), pos)
+        pos += 1
+    said = engine.tokenizer.decode(out)
+    return {"window": window, "spread": spread, "k": k, "answer": said, "correct": bool(score(sample, said)),
+            "in_cache": share(doc), "in_view": share(view)}
+
+
+doc = document()
+for w in windows:
+    for s in spreads:
+        for k in ks:
+            t = time.time()
+            row = run(doc, w, s, k)
+            print(json.dumps({"task": task, "length": length, "example": example, "budget": budget, "max_copies": cap,
+                              "depth": sample.depth, "expected": sample.answers[0], **row,
+                              "seconds": round(time.time() - t, 1)}), flush=True)
