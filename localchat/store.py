@@ -109,7 +109,7 @@ def _quantized_weights(engine) -> str | None:
     return f"{weights} {type(getattr(attn, 'q_proj', None) or attn.qkv_proj).__name__}"
 
 
-READ_ONLY = ("focus",)  # settings that change what an answer reads, not what the cache holds (engine/focus.py)
+READ_ONLY = ("focus", "focus_window", "focus_spread")  # settings that change what an answer reads, not what the cache holds (engine/focus.py)
 
 
 def fingerprint(engine) -> str:

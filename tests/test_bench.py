@@ -524,6 +524,22 @@ def test_locret_option_rows_are_locrets_own_and_a_key_of_their_own(tiny_dir, tmp
     assert f"{flag} applies to locret" in capsys.readouterr().err
 
 
+def test_focus_window_and_spread_are_recorded_and_keyed(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "grid"
+    base = ["--tasks", "passkey", "--lengths", "256", "--budgets", "32", "-n", "1", "--heads", "random", "--in-process",
+            "--policies", "locret", "--focus", "8"]
+    assert main(_grid(base, tiny_dir, out)) == 0
+    assert main(_grid([*base, "--focus-window", "4", "--focus-spread", "0"], tiny_dir, out)) == 0  # a row of its own
+    rows = _rows(out)
+    assert [(r["focus_window"], r["focus_spread"]) for r in rows] == [(None, None), (4, 0)]
+    assert "--focus-window 4 --focus-spread 0" in rows[1]["command"]
+    assert main(["bench", "report", str(out)]) == 0
+    assert "| passkey | locret[random] focus=8 focus-window=4 focus-spread=0 | 32 |" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(_grid([*base[:-2], "--focus-window", "4"], tiny_dir, out)) == 2
+    assert "--focus-window sets how --focus picks" in capsys.readouterr().err
+
+
 def test_perf_measures_focus_beside_plain_locret(tiny_dir, tmp_path, monkeypatch):
     from localchat.bench import perf
     from localchat.engine import focus

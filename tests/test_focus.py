@@ -125,8 +125,8 @@ def test_a_short_follow_up_is_focused_too_and_the_chat_goes_on(engine, tmp_path,
     path.write_text("alpha beta gamma delta epsilon " * 80 + "The pass key is 4711.")
     views = []
     real_view = focus.view
-    monkeypatch.setattr(focus, "view", lambda cache, votes, held, k, reserve: views.append((held, k)) or
-                        real_view(cache, votes, held, k, reserve))
+    monkeypatch.setattr(focus, "view", lambda cache, votes, held, k, reserve, **kw: views.append((held, k)) or
+                        real_view(cache, votes, held, k, reserve, **kw))
     engine.set_policy(_locret(engine, local=40, focus=16))
     s = Session(engine)
     list(s.send("What is the pass key?", [load_document(path)], SETTINGS))
@@ -137,9 +137,33 @@ def test_a_short_follow_up_is_focused_too_and_the_chat_goes_on(engine, tmp_path,
     assert s.kv_units <= 48 + 40 + SETTINGS.max_new_tokens
 
 
+def test_window_and_spread_reach_the_probe_and_the_view(engine, monkeypatch):
+    seen, held = [], []
+    real_probe, real_view = focus.Probe, focus.view
+
+    def view(*a, after=focus.SPREAD, **kw):
+        out = real_view(*a, after=after, **kw)
+        held.append(torch.cat([layer.positions for layer in out.layers]))
+        return out
+
+    monkeypatch.setattr(focus, "Probe", lambda model, held, window=focus.WINDOW: seen.append(window) or
+                        real_probe(model, held, window))
+    monkeypatch.setattr(focus, "view", lambda *a, after=focus.SPREAD, **kw: seen.append(after) or view(*a, after=after, **kw))
+    ids = engine.encode("alpha beta gamma delta " * 60)
+    for kw in ({}, {"focus_window": 2, "focus_spread": 0}):
+        engine.set_policy(_locret(engine, focus=16, **kw))
+        _answer(engine, ids)
+    assert seen == [focus.WINDOW, focus.SPREAD, 2, 0]
+    assert not torch.equal(held[0], held[1])  # another vote: other units in the view
+
+
 def test_focus_is_validated_and_planned(engine):
     with pytest.raises(UserError, match="--focus must be >= 0"):
         _locret(engine, focus=-1)
+    with pytest.raises(UserError, match="--focus-window must be >= 1"):
+        _locret(engine, focus=8, focus_window=0)
+    with pytest.raises(UserError, match="--focus-spread must be >= 0"):
+        _locret(engine, focus=8, focus_spread=-1)
     p = _locret(engine, focus=200)
     assert peak_units(p, 10_000, 32, 10) == 48 + 8 + 10 + 200 + 8  # the view outgrows a chunk
     assert peak_units(_locret(engine, focus=8), 10_000, 32, 10) == peak_units(_locret(engine), 10_000, 32, 10)
@@ -152,6 +176,8 @@ def test_a_saved_chat_stays_valid_when_only_focus_changes(engine):
     plain = fingerprint(engine)
     engine.set_policy(_locret(engine, focus=16))
     assert fingerprint(engine) == plain  # the cache it holds is the same
+    engine.set_policy(_locret(engine, focus=16, focus_window=8, focus_spread=4))
+    assert fingerprint(engine) == plain
     engine.set_policy(_locret(engine, max_copies=4))
     assert fingerprint(engine) != plain  # the cap changes what is kept
 

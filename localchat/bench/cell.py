@@ -28,7 +28,7 @@ from localchat.errors import UserError
 FOLLOWUP_TOKENS = 8  # answer length of the earlier multiturn turns (the model's own answers are kept)
 KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
               "max_new_tokens", "turns", "weights", "kv", "sparse_prefill", "max_copies",
-              "focus")
+              "focus", "focus_window", "focus_spread")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Cell:
     sparse_prefill: float | None = None  # omnikv only: --sparse-prefill R (None: full-attention reading)
     max_copies: int | None = None  # locret only: --max-copies N (None: no cap, the paper's rule)
     focus: int | None = None  # locret only: --focus K (None: the answer reads every kept unit, the paper's rule)
+    focus_window: int | None = None  # --focus-window (None: engine/focus.py's WINDOW, 32)
+    focus_spread: int | None = None  # --focus-spread (None: engine/focus.py's SPREAD, 16)
 
     def key(self, example: int) -> str:
         return json.dumps([*(getattr(self, f) for f in KEY_FIELDS), example])
@@ -58,7 +60,9 @@ class Cell:
         budget = "" if self.budget is None else f" b={self.budget}"
         quant = "".join(f" {name}={v:g}" if isinstance(v, float) else f" {name}={v}" for name, v in
                         (("weights", self.weights), ("kv", self.kv), ("sparse-prefill", self.sparse_prefill),
-                         ("max-copies", self.max_copies), ("focus", self.focus)) if v)
+                         ("max-copies", self.max_copies), ("focus", self.focus),
+                         ("focus-window", self.focus_window), ("focus-spread", self.focus_spread))
+                        if v or (name == "focus-spread" and v == 0))
         return f"{self.task} {self.length} {self.policy}{budget}{quant}"
 
 
@@ -108,7 +112,8 @@ def use_policy(engine, cell: Cell) -> None:
         focus = 0
     engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
     engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, heads=cell.heads,
-                                 sparse_prefill=cell.sparse_prefill, max_copies=max_copies, focus=focus),
+                                 sparse_prefill=cell.sparse_prefill, max_copies=max_copies, focus=focus,
+                                 focus_window=cell.focus_window, focus_spread=cell.focus_spread),
                      cell.positions)
 
 

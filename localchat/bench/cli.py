@@ -71,6 +71,10 @@ def add_parser(subparsers) -> None:
                        help="locret cells: keep at most N copies of one token per KV head (engine/policies/repeats.py)")
     bench.add_argument("--focus", type=int, default=None, metavar="K",
                        help="locret cells: answer from the K kept units per KV head the question attends to most (engine/focus.py)")
+    bench.add_argument("--focus-window", type=int, default=None, metavar="N",
+                       help="with --focus: the question's last N tokens vote (default 32)")
+    bench.add_argument("--focus-spread", type=int, default=None, metavar="N",
+                       help="with --focus: a unit also takes the vote of the units up to N tokens before it (default 16)")
     bench.add_argument("--dry-run", action="store_true",
                        help="list the cells with examples left and estimate the time; run nothing")
     bench.add_argument("--in-process", action="store_true",
@@ -198,6 +202,9 @@ def _command(args, perf: bool) -> str:
             parts += ["--max-copies", str(args.max_copies)]
         if args.focus is not None:
             parts += ["--focus", str(args.focus)]
+        for flag in ("focus_window", "focus_spread"):
+            if getattr(args, flag) is not None:
+                parts += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         for flag in ("weights", "kv"):
             if f[flag]:
                 parts += [f"--{flag}", f[flag]]
@@ -259,7 +266,8 @@ def run(args) -> int:
         turns=_ints(args.turns, "turns") if args.turns is not None else None,
         examples=_ints(args.examples, "examples") if args.examples is not None else None,
         weights=_quant_axis(f["weights"], "weights"), kv=_quant_axis(f["kv"], "kv"), sparse_prefill=args.sparse_prefill,
-        max_copies=args.max_copies, focus=args.focus, command=_command(args, perf=False),
+        max_copies=args.max_copies, focus=args.focus, focus_window=args.focus_window, focus_spread=args.focus_spread,
+        command=_command(args, perf=False),
     )
     if args.dry_run:
         from localchat.bench.runner import dry_run

@@ -40,6 +40,9 @@ def load_rows(directory: Path) -> list[dict]:
             row["policy"] += f" max-copies={row['max_copies']}"
         if row.get("focus"):  # LOCRET answering from the units the question attends to
             row["policy"] += f" focus={row['focus']}"
+            for name in ("focus_window", "focus_spread"):
+                if row.get(name) is not None:
+                    row["policy"] += f" {name.replace('_', '-')}={row[name]}"
         default = _default_positions(row["policy"].split("[")[0].split()[0])
         if default and row.get("positions") and row["positions"] != default:
             row["policy"] += f" positions={row['positions']}"  # e.g. an evicting policy at original positions

@@ -71,6 +71,8 @@ class BenchConfig:
     sparse_prefill: float | None = None  # omnikv cells: --sparse-prefill R
     max_copies: int | None = None  # locret cells: --max-copies N
     focus: int | None = None  # locret cells: --focus K
+    focus_window: int | None = None  # with --focus: --focus-window N (None: the engine's default)
+    focus_spread: int | None = None  # with --focus: --focus-spread N (None: the engine's default)
     command: str = ""
     engines: dict = field(default_factory=dict, repr=False)  # in-process: loaded engines by (model, chunk)
 
@@ -104,6 +106,11 @@ def check(config: BenchConfig) -> None:
     _applies(config.focus, "focus", "--focus", config.policies)
     if config.focus is not None and config.focus < 1:
         raise UserError(f"--focus must be at least 1 in a benchmark (leave it out to read every kept unit), not {config.focus}")
+    for value, flag, low in ((config.focus_window, "--focus-window", 1), (config.focus_spread, "--focus-spread", 0)):
+        if value is not None and config.focus is None:
+            raise UserError(f"{flag} sets how --focus picks; add --focus K or drop {flag}")
+        if value is not None and value < low:
+            raise UserError(f"{flag} must be at least {low}, not {value}")
     if any(POLICIES[p].uses_budget() for p in config.policies) and not config.budgets:
         raise UserError("evicting (and selecting) policies need --budgets")
     for value, what in [*((b, "budget") for b in config.budgets), (config.n, "-n"),
@@ -165,6 +172,8 @@ def plan(config: BenchConfig) -> list[Cell]:
                         sparse_prefill=config.sparse_prefill if "prefill_ratio" in cls.options else None,
                         max_copies=config.max_copies if "max_copies" in cls.options else None,
                         focus=config.focus if "focus" in cls.options else None,
+                        focus_window=config.focus_window if "focus" in cls.options else None,
+                        focus_spread=config.focus_spread if "focus" in cls.options else None,
                     ))
     return cells
 

@@ -279,6 +279,9 @@ class _Focus:
     def __init__(self, model, cache: KVCache, policy: Policy, n: int, max_new: int):
         self.model, self.cache, self.policy, self.max_new = model, cache, policy, max_new
         self.k = policy.focus_units() if policy.evicts else 0
+        window, spread = getattr(policy, "focus_window", None), getattr(policy, "focus_spread", None)
+        self.window = focus_mod.WINDOW if window is None else window
+        self.spread = focus_mod.SPREAD if spread is None else spread
         self.tail_start = max(0, n - policy.local)  # where the tail (the question) begins in the prompt
         self.n = n
         self.probe: focus_mod.Probe | None = None
@@ -286,7 +289,7 @@ class _Focus:
     def _arm(self) -> None:
         held = self.cache.get_seq_length()
         if self.k and held > self.k and self.probe is None:  # something to narrow
-            self.probe = focus_mod.Probe(self.model, held)
+            self.probe = focus_mod.Probe(self.model, held, self.window)
 
     def arm_if_all_tail(self) -> None:
         """A prompt within the local tail (a short follow-up): the units held before it are what the view narrows."""
@@ -306,7 +309,7 @@ class _Focus:
 
     def view(self) -> KVCache:
         return focus_mod.view(self.cache, self.probe.votes, self.probe.held, self.k,
-                              reserve=self.k + self.n - self.tail_start + self.max_new)
+                              reserve=self.k + self.n - self.tail_start + self.max_new, after=self.spread)
 
     def feed(self, answer: list[int], first: int, chunk: int) -> None:
         """Read the answer's tokens into the cache (scored by the policy), as decoding on it would have."""

@@ -41,6 +41,8 @@ SETTINGS: dict[str, tuple[str, Any]] = {
     "local": ("int", 0),
     "max_copies": ("int", 0),  # LOCRET's --max-copies (0: the paper's rule)
     "focus": ("int", 0),  # LOCRET's --focus (0: the paper's rule)
+    "focus_window": ("int", 1),  # LOCRET's --focus-window
+    "focus_spread": ("int", 0),  # LOCRET's --focus-spread
     "weights": ("choice", WEIGHT_DTYPES),
     "kv": ("choice", KV_DTYPES),
     "margin_mib": ("int", 0),

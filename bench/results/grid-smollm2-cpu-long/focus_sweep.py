@@ -1,6 +1,6 @@
 # Focus settings on saved caches (session 14): LOCRET b=BUDGET (cap CAP) reads the document as the bench lane does
 # and the cache before the prompt's tail is saved under $SNAPS (question_read.py's files, the same names). For
-# every WINDOW x SPREAD x K the engine's own focus code (localchat/engine/focus.py: Probe, view) runs on a copy:
+# every window x spread x K (--focus-window, --focus-spread, --focus) the engine's own focus code (localchat/engine/focus.py: Probe, view) runs on a copy:
 # the tail is read with the probe installed, the view is built, the tail is read again over it and the answer is
 # decoded greedily on it, as Engine._generate does. One JSON line per setting on stdout, with the share of the
 # answer's prompt tokens held in the cache and in the view (over layers and KV heads).
@@ -66,16 +66,15 @@ def share(cache) -> float | None:
 
 @torch.inference_mode()
 def run(doc, window: int, spread: int, k: int) -> dict:
-    focus.WINDOW, focus.SPREAD = window, spread
     cache = doc.clone()
     held = cache.get_seq_length()
     tail = torch.tensor([ids[head_end:]])
-    probe = focus.Probe(model, held)
+    probe = focus.Probe(model, held, window)
     try:
         forward(model, cache, tail, head_end)
     finally:
         probe.close()
-    view = focus.view(cache, probe.votes, held, k, reserve=k + tail.shape[-1] + MAX_NEW)
+    view = focus.view(cache, probe.votes, held, k, reserve=k + tail.shape[-1] + MAX_NEW, after=spread)
     logits = forward(model, view, tail, head_end)
     out, pos = [], n
     for _ in range(MAX_NEW):
