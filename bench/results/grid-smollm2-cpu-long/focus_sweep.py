@@ -9,13 +9,13 @@ import json, os, sys, time
 import torch
 torch.set_num_threads(int(os.environ.get("THREADS", "1")))
 from localchat.bench.cell import Cell, answer_tokens, load_engine, sample_for, use_policy
-from localchat.bench.tasks import prompt_messages, score
+from localchat.bench.tasks import ANSWER_TOKENS, prompt_messages, score
 from localchat.engine import focus
 from localchat.engine.prefill import forward, prefill
 
 task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 windows, spreads, ks = ([int(x) for x in a.split(",")] for a in sys.argv[6:9])
-MAX_NEW = 24
+MAX_NEW = ANSWER_TOKENS[task]  # as the bench answers
 cell = Cell(task=task, length=length, policy="locret", budget=budget, n=20, seed=0, model_spec=None, heads=None,
             chunk=512, positions="compact", max_new_tokens=MAX_NEW, max_copies=cap)
 engine = load_engine(cell)
