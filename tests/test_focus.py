@@ -12,6 +12,7 @@ from localchat.engine.engine import Engine, peak_units
 from localchat.engine.events import Done, Token
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
+from localchat.engine.policies.locret import FOCUS_SPREAD, FOCUS_WINDOW
 from localchat.engine.qcache import QuantizedKVCache
 from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings
@@ -43,10 +44,10 @@ def test_a_needle_value_inherits_its_key_vote():
     votes = torch.zeros(1, 40)
     votes[0, 10] = 1.0  # the question points at the key (slot 10)
     positions = torch.arange(40)[None] * 2  # tokens 20, 22, ... : the value sits 2-16 tokens after the key
-    picked = focus.picks(votes, positions, 12)[0].tolist()
+    picked = focus.picks(votes, positions, 12, 16)[0].tolist()
     assert picked[:2] == [0, 1]  # the first 4 positions (slots 0 and 1 here) always
     assert set(range(10, 19)) <= set(picked)  # the key and the 8 units within 16 tokens after it
-    assert 9 not in focus.picks(votes, positions, 11)[0].tolist()  # what comes before the key gets nothing
+    assert 9 not in focus.picks(votes, positions, 11, 16)[0].tolist()  # what comes before the key gets nothing
 
 
 def _filled(cache_cls, **kw):
@@ -63,10 +64,10 @@ def _filled(cache_cls, **kw):
 def test_view_holds_the_picks_as_a_cache_that_kept_them_would(kind):
     cache = _filled(KVCache) if kind == "plain" else _filled(QuantizedKVCache, bits=8)
     votes = {i: torch.rand(2, 180, generator=torch.Generator().manual_seed(i)) for i in range(2)}
-    view = focus.view(cache, votes, held=180, k=12, reserve=30)
+    view = focus.view(cache, votes, held=180, k=12, reserve=30, after=16)
     reference = cache.clone()
     for i, layer in enumerate(reference.layers):
-        reference.keep(i, focus.picks(votes[i], layer.positions[:, :180], 12))
+        reference.keep(i, focus.picks(votes[i], layer.positions[:, :180], 12, 16))
     assert type(view) is type(cache) and view.get_seq_length() == 12
     for got, want in zip(view.layers, reference.layers):
         assert torch.equal(got.positions, want.positions) and (got.positions < 180).all()
@@ -141,19 +142,19 @@ def test_window_and_spread_reach_the_probe_and_the_view(engine, monkeypatch):
     seen, held = [], []
     real_probe, real_view = focus.Probe, focus.view
 
-    def view(*a, after=focus.SPREAD, **kw):
+    def view(*a, after, **kw):
         out = real_view(*a, after=after, **kw)
         held.append(torch.cat([layer.positions for layer in out.layers]))
         return out
 
-    monkeypatch.setattr(focus, "Probe", lambda model, held, window=focus.WINDOW: seen.append(window) or
+    monkeypatch.setattr(focus, "Probe", lambda model, held, window: seen.append(window) or
                         real_probe(model, held, window))
-    monkeypatch.setattr(focus, "view", lambda *a, after=focus.SPREAD, **kw: seen.append(after) or view(*a, after=after, **kw))
+    monkeypatch.setattr(focus, "view", lambda *a, after, **kw: seen.append(after) or view(*a, after=after, **kw))
     ids = engine.encode("alpha beta gamma delta " * 60)
     for kw in ({}, {"focus_window": 2, "focus_spread": 0}):
         engine.set_policy(_locret(engine, focus=16, **kw))
         _answer(engine, ids)
-    assert seen == [focus.WINDOW, focus.SPREAD, 2, 0]
+    assert seen == [FOCUS_WINDOW, FOCUS_SPREAD, 2, 0]  # LOCRET's defaults, then the options given
     assert not torch.equal(held[0], held[1])  # another vote: other units in the view
 
 

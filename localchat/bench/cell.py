@@ -50,8 +50,8 @@ class Cell:
     sparse_prefill: float | None = None  # omnikv only: --sparse-prefill R (None: full-attention reading)
     max_copies: int | None = None  # locret only: --max-copies N (None: no cap, the paper's rule)
     focus: int | None = None  # locret only: --focus K (None: the answer reads every kept unit, the paper's rule)
-    focus_window: int | None = None  # --focus-window (None: engine/focus.py's WINDOW, 32)
-    focus_spread: int | None = None  # --focus-spread (None: engine/focus.py's SPREAD, 16)
+    focus_window: int | None = None  # --focus-window (None: LOCRET's default, 32)
+    focus_spread: int | None = None  # --focus-spread (None: LOCRET's default, 16)
 
     def key(self, example: int) -> str:
         return json.dumps([*(getattr(self, f) for f in KEY_FIELDS), example])
@@ -101,19 +101,20 @@ def load_engine(cell: Cell):
 def use_policy(engine, cell: Cell) -> None:
     """The cell's policy, resolved as the app resolves flags (LOCRET's n_s drops to budget // 4 where the card's
     n_s >= budget). One thing differs: a LOCRET cell without --max-copies runs the paper's rule (no cap), also
-    where the model card sets a cap, so that a row's `max_copies` says what ran."""
+    where the model card sets a cap, so that a row's `max_copies` says what ran; so do --focus (none: the paper's
+    read) and, with it, --focus-window and --focus-spread (none: LOCRET's defaults, not a card's)."""
     from localchat.engine.policies import policy_class
     from localchat.planning.load import policy_for
 
-    max_copies, focus = cell.max_copies, cell.focus
-    if max_copies is None and "max_copies" in policy_class(cell.policy).options:
-        max_copies = 0
-    if focus is None and "focus" in policy_class(cell.policy).options:
-        focus = 0
+    cls = policy_class(cell.policy)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    paper = {"max_copies": 0, "focus": 0, "focus_window": defaults.get("focus_window"),
+             "focus_spread": defaults.get("focus_spread")}
+    given = {name: getattr(cell, name) for name in paper}
+    options = {name: paper[name] if value is None and name in cls.options else value for name, value in given.items()}
     engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
     engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, heads=cell.heads,
-                                 sparse_prefill=cell.sparse_prefill, max_copies=max_copies, focus=focus,
-                                 focus_window=cell.focus_window, focus_spread=cell.focus_spread),
+                                 sparse_prefill=cell.sparse_prefill, **options),
                      cell.positions)
 
 

@@ -279,9 +279,7 @@ class _Focus:
     def __init__(self, model, cache: KVCache, policy: Policy, n: int, max_new: int):
         self.model, self.cache, self.policy, self.max_new = model, cache, policy, max_new
         self.k = policy.focus_units() if policy.evicts else 0
-        window, spread = getattr(policy, "focus_window", None), getattr(policy, "focus_spread", None)
-        self.window = focus_mod.WINDOW if window is None else window
-        self.spread = focus_mod.SPREAD if spread is None else spread
+        self.window, self.spread = (policy.focus_window, policy.focus_spread) if self.k else (0, 0)
         self.tail_start = max(0, n - policy.local)  # where the tail (the question) begins in the prompt
         self.n = n
         self.probe: focus_mod.Probe | None = None

@@ -6,9 +6,9 @@ with ~10 (bench/results/grid-smollm2-cpu-long, "What limits it"). Focus narrows 
 the cache keeps:
 
 1. While the prompt's tail (its last `local` tokens: the question) is read over the kept units, the attention of
-   its last `window` queries (`WINDOW` by default) to every unit held before the tail is summed over those rows and each KV head's
+   its last `window` queries (LOCRET's `--focus-window`, 32) to every unit held before the tail is summed over those rows and each KV head's
    query group (SnapKV's vote, here over LOCRET's cache).
-2. A unit's vote is raised to the largest vote of the units up to `after` tokens (`SPREAD`) before it (same layer and KV
+2. A unit's vote is raised to the largest vote of the units up to `after` tokens (`--focus-spread`, 16) before it (same layer and KV
    head): the question points at a needle's key, and its value follows the key.
 3. A view holds, per layer and KV head, the top-K units by that vote (the first `SINKS` positions always), moved
    to slots 0..K-1 (`KVCache.keep`); the tail is read again over the view and the answer is decoded on it.
@@ -24,15 +24,13 @@ import torch
 from localchat.engine.cache import KVCache
 from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum
 
-WINDOW = 32  # the tail's last queries whose attention votes (LOCRET's --focus-window)
-SPREAD = 16  # a unit takes the vote of the units up to this many tokens before it (--focus-spread)
 SINKS = 4  # the first positions, always in the view
 
 
 class Probe:
     """Collects each layer's votes `[H_kv, held]` over the first `held` units while installed on `model`."""
 
-    def __init__(self, model, held: int, window: int = WINDOW):
+    def __init__(self, model, held: int, window: int):
         self.held = held
         self.votes: dict[int, torch.Tensor] = {}
         self.kv_heads = model.config.num_key_value_heads
@@ -47,7 +45,7 @@ class Probe:
             self.hook = None
 
 
-def spread(votes: torch.Tensor, positions: torch.Tensor, after: int = SPREAD) -> torch.Tensor:
+def spread(votes: torch.Tensor, positions: torch.Tensor, after: int) -> torch.Tensor:
     """`votes` `[H, n]` raised, per unit, to the largest vote among the same head's units whose original position
     is at most `after` tokens before its own (`positions` `[H, n]`, ascending per head as the cache holds them,
     so those units are among the `after` slots before it)."""
@@ -58,7 +56,7 @@ def spread(votes: torch.Tensor, positions: torch.Tensor, after: int = SPREAD) ->
     return out
 
 
-def picks(votes: torch.Tensor, positions: torch.Tensor, k: int, after: int = SPREAD) -> torch.Tensor:
+def picks(votes: torch.Tensor, positions: torch.Tensor, k: int, after: int) -> torch.Tensor:
     """Slots `[H, min(k, n)]` (ascending per head) of the top-k units by vote spread `after` tokens, the first
     SINKS positions first."""
     score = spread(votes, positions, after)
@@ -81,8 +79,7 @@ def first_units(t: dict[str, torch.Tensor], held: int) -> dict[str, torch.Tensor
     return out
 
 
-def view(cache: KVCache, votes: dict[int, torch.Tensor], held: int, k: int, reserve: int,
-         after: int = SPREAD) -> KVCache:
+def view(cache: KVCache, votes: dict[int, torch.Tensor], held: int, k: int, reserve: int, after: int) -> KVCache:
     """A new cache of `cache`'s kind holding, per layer and KV head, the k picked units among its first `held`
     (none of the units after them: the tail is read again over the view), with room for `reserve` units. Built a
     layer at a time, so beside the view it copies at most one layer's `held` units at once."""

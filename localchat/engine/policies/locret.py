@@ -13,6 +13,9 @@ from localchat.engine.policies.base import Option, Policy
 from localchat.engine.policies.repeats import TokenIds, cap_copies
 from localchat.errors import UserError
 
+FOCUS_WINDOW = 32  # --focus: the question's last tokens whose attention votes (engine/focus.py)
+FOCUS_SPREAD = 16  # --focus: a unit takes the vote of the units up to this many tokens before it
+
 FLUSH_EVERY = 32  # decoded tokens queued before they are scored: the queue's Q, K, V stay small
 
 
@@ -34,14 +37,14 @@ class Locret(Policy):
                "focus": Option("--focus", int, "LOCRET: answer from the N kept units per KV head the question attends "
                                "to most (0: every kept unit, the paper's rule; see engine/focus.py)"),
                "focus_window": Option("--focus-window", int, "LOCRET --focus: the question's last N tokens whose "
-                                      "attention picks the units (default 32)"),
+                                      f"attention picks the units (default {FOCUS_WINDOW})"),
                "focus_spread": Option("--focus-spread", int, "LOCRET --focus: a unit also takes the vote of the units "
-                                      "up to N tokens before it (default 16)")}
+                                      f"up to N tokens before it (default {FOCUS_SPREAD})")}
     stabilizers: int = 256
     max_copies: int = 0  # 0: the paper's rule
     focus: int = 0  # 0: the paper's rule (the answer reads every kept unit)
-    focus_window: int | None = None  # None: engine/focus.py's WINDOW
-    focus_spread: int | None = None  # None: engine/focus.py's SPREAD
+    focus_window: int = FOCUS_WINDOW
+    focus_spread: int = FOCUS_SPREAD
     heads: RetainingHeads | None = field(default=None, repr=False)
     cache = None  # the attached cache (not a field): queued tokens are scored into it
     token_ids = None  # --max-copies: the token id of each position the cache may hold (TokenIds, not a field)
@@ -56,9 +59,9 @@ class Locret(Policy):
             raise UserError(f"--max-copies must be >= 0 (0 means no cap; got {self.max_copies})")
         if self.focus < 0:
             raise UserError(f"--focus must be >= 0 (0 reads every kept unit; got {self.focus})")
-        if self.focus_window is not None and self.focus_window < 1:
+        if self.focus_window < 1:
             raise UserError(f"--focus-window must be >= 1 (the question's tokens that vote; got {self.focus_window})")
-        if self.focus_spread is not None and self.focus_spread < 0:
+        if self.focus_spread < 0:
             raise UserError(f"--focus-spread must be >= 0 (0: no spread; got {self.focus_spread})")
 
     @classmethod
