@@ -11,7 +11,8 @@ torch.set_num_threads(int(os.environ.get("THREADS", "1")))
 from localchat.bench.cell import Cell, answer_tokens, load_engine, sample_for, use_policy
 from localchat.bench.tasks import ANSWER_TOKENS, prompt_messages, score
 from localchat.engine import focus
-from localchat.engine.prefill import forward, prefill
+from localchat.engine.prefill import forward
+from saved_cache import cache_before_tail
 
 task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 windows, spreads, ks = ([int(x) for x in a.split(",")] for a in sys.argv[6:9])
@@ -30,31 +31,6 @@ where = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
 snaps = os.environ.get("SNAPS", "/tmp/qread")
 os.makedirs(snaps, exist_ok=True)
 snap_file = f"{snaps}/{task}-{length}-{example}-b{budget}-c{cap}.pt"
-
-
-@torch.inference_mode()
-def document():
-    """The cache after the document's last eviction (saved once, then loaded)."""
-    cache = engine.new_cache(n, MAX_NEW)
-    if os.path.exists(snap_file):
-        cache.load_tensors(torch.load(snap_file))
-        return cache
-    p.attach(model, cache)
-    held = {}
-    def at_chunk(report):
-        if report.end == head_end:
-            held["cache"] = cache.clone()
-    t = time.time()
-    gen = prefill(model, cache, torch.tensor([ids]), chunk=engine.chunk, policy=p, on_chunk=at_chunk)
-    try:
-        while True:
-            next(gen)
-    except StopIteration:
-        pass
-    p.detach()
-    print(json.dumps({"prefill_s": round(time.time() - t)}), file=sys.stderr)
-    torch.save({k: v.clone() for k, v in held["cache"].tensors().items()}, snap_file)
-    return held["cache"]
 
 
 def share(cache) -> float | None:
@@ -89,7 +65,7 @@ def run(doc, window: int, spread: int, k: int) -> dict:
             "in_cache": share(doc), "in_view": share(view)}
 
 
-doc = document()
+doc = cache_before_tail(engine, ids, head_end, MAX_NEW, snap_file)
 for w in windows:
     for s in spreads:
         for k in ks:

@@ -4,8 +4,8 @@
 # each KV head's query group, as SnapKV scores), and the tail is read again over those K units only before
 # answering. The kept cache itself is not changed (a chat's next question starts from it again).
 # usage: python question_read.py TASK LENGTH EXAMPLE BUDGET CAP K[,K...] [W [AFTER]]   (CAP 0: the paper's rule)
-# The cache after the document's last eviction is saved under $SNAPS (default /tmp/qread), so other K and W
-# reuse it. One JSON line per K on stdout; K=0 is plain LOCRET (the tail read over every kept unit).
+# The cache after the document's last eviction is saved under $SNAPS (default /tmp/qread; saved_cache.py), so other
+# K and W reuse it. One JSON line per K on stdout; K=0 is plain LOCRET (the tail read over every kept unit).
 import json, os, sys, time
 import torch
 torch.set_num_threads(int(os.environ.get("THREADS", "1")))
@@ -13,7 +13,8 @@ from localchat.bench.cell import Cell, answer_tokens, load_engine, sample_for, u
 from localchat.bench.tasks import prompt_messages, score
 from localchat.engine.cache import KVCache
 from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum
-from localchat.engine.prefill import cache_kwarg, forward, prefill
+from localchat.engine.prefill import cache_kwarg, forward
+from saved_cache import cache_before_tail
 
 task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 ks = [int(k) for k in sys.argv[6].split(",")]
@@ -34,36 +35,6 @@ slots = os.environ.get("SLOTS", "compact")  # compact: the picked units move to 
 snaps = os.environ.get("SNAPS", "/tmp/qread")
 os.makedirs(snaps, exist_ok=True)
 snap_file = f"{snaps}/{task}-{length}-{example}-b{budget}-c{cap}.pt"
-
-
-def empty() -> KVCache:
-    return engine.new_cache(len(ids), 24)
-
-
-@torch.inference_mode()
-def read_document() -> KVCache:
-    """LOCRET over the whole prompt, as the engine runs it; the cache as it stood before the tail."""
-    if os.path.exists(snap_file):
-        cache = empty()
-        cache.load_tensors(torch.load(snap_file))
-        return cache
-    cache = empty()
-    p.attach(model, cache)
-    held = {}
-    def at_chunk(report):
-        if report.end == head_end:
-            held["cache"] = cache.clone()
-    t = time.time()
-    gen = prefill(model, cache, torch.tensor([ids]), chunk=engine.chunk, policy=p, on_chunk=at_chunk)
-    try:
-        while True:
-            next(gen)
-    except StopIteration:
-        pass
-    p.detach()
-    print(json.dumps({"prefill_s": round(time.time() - t)}), file=sys.stderr)
-    torch.save({k: v.clone() for k, v in held["cache"].tensors().items()}, snap_file)
-    return held["cache"]
 
 
 def kept_share(cache) -> float | None:
@@ -131,7 +102,7 @@ def spread(votes: torch.Tensor, positions: torch.Tensor, after: int) -> torch.Te
     return torch.where(near, votes[:, None, :], torch.zeros((), dtype=votes.dtype)).amax(dim=-1)
 
 
-doc = read_document()
+doc = cache_before_tail(engine, ids, head_end, 24, snap_file)
 for k in ks:
     t = time.time()
     cache = doc.clone() if k == 0 else narrowed(doc, k)

@@ -1,0 +1,33 @@
+# The cache LOCRET holds after a document, before the prompt's tail (the last n_loc tokens) is read: made once per
+# document and saved, then loaded, so that every setting of question_read.py and focus_sweep.py reads the same units.
+import json
+import os
+import sys
+import time
+
+import torch
+
+from localchat.engine.prefill import prefill
+
+
+@torch.inference_mode()
+def cache_before_tail(engine, ids: list[int], head_end: int, max_new: int, snap_file: str):
+    cache = engine.new_cache(len(ids), max_new)
+    if os.path.exists(snap_file):
+        cache.load_tensors(torch.load(snap_file))
+        return cache
+    policy = engine.policy
+    policy.attach(engine.model, cache)
+    held = {}
+
+    def at_chunk(report):
+        if report.end == head_end:
+            held["cache"] = cache.clone()
+
+    t = time.time()
+    for _ in prefill(engine.model, cache, torch.tensor([ids]), chunk=engine.chunk, policy=policy, on_chunk=at_chunk):
+        pass
+    policy.detach()
+    print(json.dumps({"prefill_s": round(time.time() - t)}), file=sys.stderr)
+    torch.save({k: v.clone() for k, v in held["cache"].tensors().items()}, snap_file)
+    return held["cache"]
