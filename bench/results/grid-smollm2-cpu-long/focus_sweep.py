@@ -12,7 +12,7 @@ from localchat.bench.cell import Cell, answer_tokens, load_engine, sample_for, u
 from localchat.bench.tasks import ANSWER_TOKENS, prompt_messages, score
 from localchat.engine import focus
 from localchat.engine.prefill import forward
-from saved_cache import cache_before_tail
+from saved_cache import answer_share, cache_before_tail, snap_path
 
 task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 windows, spreads, ks = ([int(x) for x in a.split(",")] for a in sys.argv[6:9])
@@ -28,16 +28,7 @@ ids = engine.encode(text)
 n = len(ids)
 head_end = n - p.local
 where = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
-snaps = os.environ.get("SNAPS", "/tmp/qread")
-os.makedirs(snaps, exist_ok=True)
-snap_file = f"{snaps}/{task}-{length}-{example}-b{budget}-c{cap}.pt"
-
-
-def share(cache) -> float | None:
-    if len(where) == 0:
-        return None
-    got = sum(int(torch.isin(layer.positions, where).sum()) for layer in cache.layers)
-    return round(got / (len(cache.layers) * cache.layers[0].positions.shape[0] * len(where)), 4)
+snap_file = snap_path(task, length, example, budget, cap)
 
 
 @torch.inference_mode()
@@ -62,7 +53,7 @@ def run(doc, window: int, spread: int, k: int) -> dict:
         pos += 1
     said = engine.tokenizer.decode(out)
     return {"window": window, "spread": spread, "k": k, "answer": said, "correct": bool(score(sample, said)),
-            "in_cache": share(doc), "in_view": share(view)}
+            "in_cache": answer_share(doc, where), "in_view": answer_share(view, where)}
 
 
 doc = cache_before_tail(engine, ids, head_end, MAX_NEW, snap_file)

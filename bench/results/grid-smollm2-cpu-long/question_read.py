@@ -14,7 +14,7 @@ from localchat.bench.tasks import prompt_messages, score
 from localchat.engine.cache import KVCache
 from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum
 from localchat.engine.prefill import cache_kwarg, forward
-from saved_cache import cache_before_tail
+from saved_cache import answer_share, cache_before_tail, snap_path
 
 task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 ks = [int(k) for k in sys.argv[6].split(",")]
@@ -32,16 +32,7 @@ head_end = len(ids) - p.local
 tail = torch.tensor([ids[head_end:]])
 where = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
 slots = os.environ.get("SLOTS", "compact")  # compact: the picked units move to slots 0..K-1; keep: they stay put
-snaps = os.environ.get("SNAPS", "/tmp/qread")
-os.makedirs(snaps, exist_ok=True)
-snap_file = f"{snaps}/{task}-{length}-{example}-b{budget}-c{cap}.pt"
-
-
-def kept_share(cache) -> float | None:
-    if len(where) == 0:
-        return None
-    held = sum(int(torch.isin(layer.positions, where).sum()) for layer in cache.layers)
-    return round(held / (len(cache.layers) * cache.layers[0].positions.shape[0] * len(where)), 4)
+snap_file = snap_path(task, length, example, budget, cap)
 
 
 def step(cache, piece: torch.Tensor, true_first: int, slot: int | None) -> torch.Tensor:
@@ -106,7 +97,7 @@ doc = cache_before_tail(engine, ids, head_end, 24, snap_file)
 for k in ks:
     t = time.time()
     cache = doc.clone() if k == 0 else narrowed(doc, k)
-    share = kept_share(cache)
+    share = answer_share(cache, where)
     said = answer(cache, doc.get_seq_length() if slots == "keep" and k else None)
     print(json.dumps({"task": task, "length": length, "example": example, "budget": budget, "max_copies": cap,
                       "k": k, "window": window, "after": after, "slots": slots, "depth": sample.depth, "expected": sample.answers[0], "answer": said,

@@ -31,3 +31,18 @@ def cache_before_tail(engine, ids: list[int], head_end: int, max_new: int, snap_
     print(json.dumps({"prefill_s": round(time.time() - t)}), file=sys.stderr)
     torch.save({k: v.clone() for k, v in held["cache"].tensors().items()}, snap_file)
     return held["cache"]
+
+
+def snap_path(task: str, length: int, example: int, budget: int, cap: int) -> str:
+    """Where a document's cache is saved: under $SNAPS (default /tmp/qread)."""
+    snaps = os.environ.get("SNAPS", "/tmp/qread")
+    os.makedirs(snaps, exist_ok=True)
+    return f"{snaps}/{task}-{length}-{example}-b{budget}-c{cap}.pt"
+
+
+def answer_share(cache, where: torch.Tensor) -> float | None:
+    """The share of the answer's prompt tokens (`where`) held, over layers and KV heads."""
+    if len(where) == 0:
+        return None
+    held = sum(int(torch.isin(layer.positions, where).sum()) for layer in cache.layers)
+    return round(held / (len(cache.layers) * cache.layers[0].positions.shape[0] * len(where)), 4)
