@@ -8,26 +8,17 @@
 import json, os, sys, time
 import torch
 torch.set_num_threads(int(os.environ.get("THREADS", "1")))
-from localchat.bench.cell import Cell, answer_tokens, load_engine, sample_for, use_policy
-from localchat.bench.tasks import ANSWER_TOKENS, prompt_messages, score
+from localchat.bench.tasks import ANSWER_TOKENS, score
 from localchat.engine import focus
 from localchat.engine.prefill import forward
-from saved_cache import answer_share, cache_before_tail, snap_path
+from saved_cache import answer_share, cache_before_tail, setup, snap_path
 
 task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 windows, spreads, ks = ([int(x) for x in a.split(",")] for a in sys.argv[6:9])
 MAX_NEW = ANSWER_TOKENS[task]  # as the bench answers
-cell = Cell(task=task, length=length, policy="locret", budget=budget, n=20, seed=0, model_spec=None, heads=None,
-            chunk=512, positions="compact", max_new_tokens=MAX_NEW, max_copies=cap)
-engine = load_engine(cell)
-use_policy(engine, cell)
+engine, sample, ids, head_end, where = setup(task, length, example, budget, cap, MAX_NEW)
 model, p = engine.model, engine.policy
-sample = sample_for(cell, engine.tokenizer, example)
-text = engine.render(prompt_messages(sample))
-ids = engine.encode(text)
 n = len(ids)
-head_end = n - p.local
-where = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
 snap_file = snap_path(task, length, example, budget, cap)
 
 

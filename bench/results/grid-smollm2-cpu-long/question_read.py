@@ -9,28 +9,19 @@
 import json, os, sys, time
 import torch
 torch.set_num_threads(int(os.environ.get("THREADS", "1")))
-from localchat.bench.cell import Cell, answer_tokens, load_engine, sample_for, use_policy
-from localchat.bench.tasks import prompt_messages, score
+from localchat.bench.tasks import score
 from localchat.engine.cache import KVCache
 from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum
 from localchat.engine.prefill import cache_kwarg, forward
-from saved_cache import answer_share, cache_before_tail, snap_path
+from saved_cache import answer_share, cache_before_tail, setup, snap_path
 
 task, length, example, budget, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 ks = [int(k) for k in sys.argv[6].split(",")]
 window = int(sys.argv[7]) if len(sys.argv) > 7 else 32
 after = int(sys.argv[8]) if len(sys.argv) > 8 else 0  # a unit also takes the vote of units up to AFTER tokens before it
-cell = Cell(task=task, length=length, policy="locret", budget=budget, n=20, seed=0, model_spec=None, heads=None,
-            chunk=512, positions="compact", max_new_tokens=24, max_copies=cap)
-engine = load_engine(cell)
-use_policy(engine, cell)
+engine, sample, ids, head_end, where = setup(task, length, example, budget, cap, 24)
 model, p = engine.model, engine.policy
-sample = sample_for(cell, engine.tokenizer, example)
-text = engine.render(prompt_messages(sample))
-ids = engine.encode(text)
-head_end = len(ids) - p.local
 tail = torch.tensor([ids[head_end:]])
-where = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
 slots = os.environ.get("SLOTS", "compact")  # compact: the picked units move to slots 0..K-1; keep: they stay put
 snap_file = snap_path(task, length, example, budget, cap)
 

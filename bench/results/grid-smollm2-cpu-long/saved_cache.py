@@ -7,7 +7,23 @@ import time
 
 import torch
 
+from localchat.bench.cell import Cell, answer_tokens, load_engine, sample_for, use_policy
+from localchat.bench.tasks import prompt_messages
 from localchat.engine.prefill import prefill
+
+
+def setup(task: str, length: int, example: int, budget: int, cap: int, max_new: int):
+    """SmolLM2 with LOCRET b=`budget` (cap `cap`) as the bench lane runs it, and the example's prompt: (engine,
+    sample, ids, head_end: where the tail begins, where: the answer's prompt token indices)."""
+    cell = Cell(task=task, length=length, policy="locret", budget=budget, n=20, seed=0, model_spec=None, heads=None,
+                chunk=512, positions="compact", max_new_tokens=max_new, max_copies=cap)
+    engine = load_engine(cell)
+    use_policy(engine, cell)
+    sample = sample_for(cell, engine.tokenizer, example)
+    text = engine.render(prompt_messages(sample))
+    ids = engine.encode(text)
+    where = torch.tensor(answer_tokens(engine.tokenizer, text, ids, sample.answers))
+    return engine, sample, ids, len(ids) - engine.policy.local, where
 
 
 @torch.inference_mode()
