@@ -71,8 +71,8 @@ class BenchConfig:
     sparse_prefill: float | None = None  # omnikv cells: --sparse-prefill R
     max_copies: int | None = None  # locret cells: --max-copies N
     focus: int | None = None  # locret cells: --focus K
-    focus_window: int | None = None  # with --focus: --focus-window N (None: the engine's default)
-    focus_spread: int | None = None  # with --focus: --focus-spread N (None: the engine's default)
+    focus_window: int | None = None  # with --focus: --focus-window N (None: LOCRET's default)
+    focus_spread: int | None = None  # with --focus: --focus-spread N (None: LOCRET's default)
     command: str = ""
     engines: dict = field(default_factory=dict, repr=False)  # in-process: loaded engines by (model, chunk)
 

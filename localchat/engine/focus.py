@@ -6,10 +6,10 @@ with ~10 (bench/results/grid-smollm2-cpu-long, "What limits it"). Focus narrows 
 the cache keeps:
 
 1. While the prompt's tail (its last `local` tokens: the question) is read over the kept units, the attention of
-   its last `window` queries (LOCRET's `--focus-window`, 32) to every unit held before the tail is summed over those rows and each KV head's
-   query group (SnapKV's vote, here over LOCRET's cache).
-2. A unit's vote is raised to the largest vote of the units up to `after` tokens (`--focus-spread`, 16) before it (same layer and KV
-   head): the question points at a needle's key, and its value follows the key.
+   its last `window` queries (LOCRET's `--focus-window`, 32) to every unit held before the tail is summed over
+   those rows and each KV head's query group (SnapKV's vote, here over LOCRET's cache).
+2. A unit's vote is raised to the largest vote of the units up to `after` tokens (`--focus-spread`, 16) before it
+   (same layer and KV head): the question points at a needle's key, and its value follows the key.
 3. A view holds, per layer and KV head, the top-K units by that vote (the first `SINKS` positions always), moved
    to slots 0..K-1 (`KVCache.keep`); the tail is read again over the view and the answer is decoded on it.
 
