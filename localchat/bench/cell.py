@@ -62,7 +62,7 @@ class Cell:
                         (("weights", self.weights), ("kv", self.kv), ("sparse-prefill", self.sparse_prefill),
                          ("max-copies", self.max_copies), ("focus", self.focus),
                          ("focus-window", self.focus_window), ("focus-spread", self.focus_spread))
-                        if v or (name == "focus-spread" and v == 0))
+                        if v is not None)
         return f"{self.task} {self.length} {self.policy}{budget}{quant}"
 
 
