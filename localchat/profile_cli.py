@@ -18,7 +18,8 @@ from localchat.errors import UserError
 from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, detect, quantized
 from localchat.planning.planner import Plan, make_plan, verify
-from localchat.planning.resolve import Target, fixed_fields, model_facts, plan_request, settled_params
+from localchat.planning.resolve import (Target, fixed_fields, model_facts, plan_request, settled_params,
+                                       shipped_heads_dir)
 
 
 def add_parsers(sub, model_flags) -> None:
@@ -96,10 +97,29 @@ def plan_for(args, quiet: bool = False) -> tuple[RunSpec, Plan, Device]:
     if plan.kv != "none":
         plan.notes.append(f"KV cache {plan.kv}: retained units packed with a fp16 scale and zero per 64 "
                           f"values; the newest chunk stays full precision until the next eviction")
+    heads = heads_note(spec, card)
+    if heads:
+        plan.notes.append(heads)
     if spec.profile:
         profile = profiles.find(spec.profile)
         plan.notes.insert(0, f"{profile.label} ({spec.sources.get('profile', '')})")
     return spec, plan, device
+
+
+def heads_note(spec: RunSpec, card) -> str | None:
+    """Where LOCRET's heads will come from when that is an official release: fetched already, or not yet."""
+    from localchat.engine.policies import policy_class
+    from localchat.planning.heads_fetch import Release, cached_heads
+
+    release = Release.of(card) if card is not None else None
+    if release is None or spec.policy.heads or "heads" not in policy_class(spec.policy.name).fields() \
+            or shipped_heads_dir(card):
+        return None
+    directory = cached_heads(card)
+    if directory:
+        return f"retaining heads: the official release {release.describe()}, fetched into {directory}"
+    return (f"retaining heads: the official release {release.describe()}, not fetched yet: "
+            f"`localchat heads fetch {card.id}` downloads it once (or the first run does)")
 
 
 def run_plan(args) -> int:

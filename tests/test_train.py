@@ -91,26 +91,34 @@ def test_import_official_checkpoint_naming(tmp_path):
     g = torch.Generator().manual_seed(1)
     weights = {"model.embed_tokens.weight": torch.randn(300, 64, generator=g)}  # other tensors are ignored
     for i in range(2):
-        weights[f"model.layers.{i}.self_attn.fc1.weight"] = torch.randn(32, in_dim, generator=g)
-        weights[f"model.layers.{i}.self_attn.fc2.weight"] = torch.randn(2, 32, generator=g)
+        weights[f"model.layers.{i}.self_attn.fc1.weight"] = torch.randn(32, in_dim, generator=g).bfloat16()
+        weights[f"model.layers.{i}.self_attn.fc2.weight"] = torch.randn(2, 32, generator=g).bfloat16()
         weights[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(64, 64, generator=g)
     save_file(weights, tmp_path / "model.safetensors")
-    heads = import_official(tmp_path, cfg)
+    out = import_official(tmp_path, cfg, tmp_path / "ours")
+    heads = RetainingHeads.load(out)
     assert heads.d_r == 32 and heads.meta["kind"] == "imported"
     x = torch.randn(5, in_dim)
-    official = weights["model.layers.1.self_attn.fc2.weight"] @ torch.nn.functional.silu(
-        weights["model.layers.1.self_attn.fc1.weight"] @ x.T)
-    assert torch.allclose(heads.layers[1](x).T, official, atol=1e-5)
-    heads.save(tmp_path / "ours")
-    HeadScorer(model, RetainingHeads.load(tmp_path / "ours")).close()  # loads and fits the model
-    torch.save({k: v for k, v in weights.items()}, tmp_path / "heads.bin")
-    assert import_official(tmp_path / "heads.bin", cfg).d_r == 32
-    with pytest.raises(UserError, match="no LOCRET"):
-        import_official(tmp_path / "nothing.safetensors", cfg)
-    bad = {f"model.layers.0.self_attn.fc1.weight": torch.randn(32, in_dim + 1)}
+    fc1, fc2 = (weights[f"model.layers.1.self_attn.fc{j}.weight"].float() for j in (1, 2))
+    official = fc2 @ torch.nn.functional.silu(fc1 @ x.T)
+    assert torch.allclose(heads.layers[1](x).T, official, atol=1e-5)  # bf16 kept: the release's values exactly
+    HeadScorer(model, heads).close()  # fits the model
+    torch.save({k: v for k, v in weights.items()}, tmp_path / "heads.bin")  # a release's .bin
+    assert RetainingHeads.load(import_official(tmp_path / "heads.bin", cfg, tmp_path / "from-bin")).d_r == 32
+    with pytest.raises(UserError, match="does not exist"):
+        import_official(tmp_path / "nothing.safetensors", cfg, tmp_path / "x")
+    bad = {"model.layers.0.self_attn.fc1.weight": torch.randn(32, in_dim + 1),
+           "model.layers.0.self_attn.fc2.weight": torch.randn(2, 32),
+           "model.layers.1.self_attn.fc1.weight": torch.randn(32, in_dim + 1),
+           "model.layers.1.self_attn.fc2.weight": torch.randn(2, 32)}
     save_file(bad, tmp_path / "bad.safetensors")
     with pytest.raises(UserError, match="does not fit"):
-        import_official(tmp_path / "bad.safetensors", cfg)
+        import_official(tmp_path / "bad.safetensors", cfg, tmp_path / "x")
+    (tmp_path / "notes.txt").write_text("not weights\n")
+    with pytest.raises(UserError) as err:
+        import_official(tmp_path / "notes.txt", cfg, tmp_path / "x")
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300 and "notes.txt" in str(err.value)
+    assert not (tmp_path / "x").exists()
 
 
 def test_split_holds_out_every_nth_file_and_keeps_the_rest():

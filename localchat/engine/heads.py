@@ -86,12 +86,8 @@ class RetainingHeads(nn.Module):
 
     def save(self, directory: str | Path, dtype: torch.dtype = torch.float16) -> None:
         """Weights as `dtype` (fp16 halves the shipped file; scores only rank units) + a JSON config."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(tensors, directory / WEIGHTS)
-        config = {"shape": self.shape, "d_r": self.d_r, **self.meta}
-        (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        save_heads(Path(directory), {k: v.detach().to(dtype) for k, v in self.state_dict().items()}, self.shape,
+                   self.d_r, self.meta)
 
     @classmethod
     def load(cls, directory: str | Path) -> "RetainingHeads":
@@ -131,43 +127,97 @@ class RetainingHeads(nn.Module):
 OFFICIAL_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.fc([12])\.weight$")
 
 
-def import_official(source: str | Path, config) -> RetainingHeads:
-    """Heads from an official LOCRET release (`model.layers.{i}.self_attn.fc1/fc2.weight`, in a full
-    checkpoint or a heads-only file; safetensors, or a .bin read with weights_only=True)."""
+def official_heads(state: dict) -> dict[str, torch.Tensor]:
+    """The head tensors of an official state dict (`model.layers.N.self_attn.fc1/fc2.weight`), under our keys
+    (`layers.N.fc1.weight`); every other tensor is left out."""
+    found = {}
+    for key, value in state.items():
+        m = OFFICIAL_KEY.search(key)
+        if m:
+            found[f"layers.{m.group(1)}.fc{m.group(2)}.weight"] = value
+    return found
+
+
+def read_official(path: Path) -> dict[str, torch.Tensor]:
+    """The head tensors of one official file: safetensors, or a `torch.save` state dict (the releases' .bin),
+    read with weights_only=True; one UserError line when the file is neither."""
+    from localchat.errors import UserError
+
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as st:
+                return official_heads({k: st.get_tensor(k) for k in st.keys() if OFFICIAL_KEY.search(k)})
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a file torch.save wrote in its legacy format cannot be mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - OSError, pickle and zip errors, safetensors' own
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        raise UserError(f"cannot read {path} as LOCRET retaining heads (a .bin state dict or .safetensors): {why}") \
+            from None
+    if not isinstance(state, dict):
+        raise UserError(f"{path} holds a {type(state).__name__}, not a state dict of LOCRET retaining heads")
+    return official_heads(state)
+
+
+def check_official(found: dict[str, torch.Tensor], shape: dict, source: str, d_r: int | None = None) -> int:
+    """d_R when `found` holds heads for every layer of a model of `shape` (fc1 `[d_R, (H_q + 2 H_kv) d]`,
+    fc2 `[H_kv, d_R]`, floating point; `d_r` when given is the only width allowed); else one UserError line."""
+    from localchat.errors import UserError
+
+    if not found:
+        raise UserError(f"no LOCRET retaining-head weights (model.layers.N.self_attn.fc1/fc2.weight) in {source}")
+    want = {f"layers.{i}.fc{j}.weight" for i in range(shape["layers"]) for j in (1, 2)}
+    if set(found) != want:
+        layers = len({k.split(".")[1] for k in found})
+        missing = sorted(want - set(found), key=lambda k: int(k.split(".")[1]))
+        raise UserError(f"{source} does not fit: it has retaining heads for {layers} layers, the model has "
+                        f"{shape['layers']}" + (f" (missing {missing[0]})" if layers == shape["layers"] else ""))
+    width = d_r or found["layers.0.fc1.weight"].shape[0]
+    in_dim = (shape["q_heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
+    for key in sorted(found, key=lambda k: (int(k.split(".")[1]), k)):
+        t = found[key]
+        expected = (width, in_dim) if key.endswith("fc1.weight") else (shape["kv_heads"], width)
+        if tuple(t.shape) != expected:
+            raise UserError(f"{source} does not fit: {key} is {list(t.shape)}, expected {list(expected)} "
+                            f"(heads for another model?)")
+        if not t.is_floating_point():
+            raise UserError(f"{source}: {key} holds {t.dtype}, not floating-point weights")
+    return width
+
+
+def save_heads(directory: Path, tensors: dict[str, torch.Tensor], shape: dict, d_r: int, meta: dict) -> None:
+    """Heads as localchat reads them: `tensors` (our keys, at their own dtype) in WEIGHTS, the config in CONFIG."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, directory / WEIGHTS)
+    config = {"shape": dict(shape), "d_r": d_r, **meta}
+    (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def import_official(source: str | Path, config, out: str | Path) -> Path:
+    """Heads from an official LOCRET file (a release's heads-only .bin, or a checkpoint with the heads inside:
+    a file, or a directory of .safetensors or .bin files) for the model of `config`, saved in `out` at the
+    release's dtype (bf16: converted exactly)."""
     from localchat.errors import UserError
 
     source = Path(source)
     if source.is_dir():
         files = sorted(source.glob("*.safetensors")) or sorted(source.glob("*.bin"))
+    elif source.is_file():
+        files = [source]
     else:
-        files = [source] if source.exists() else []
+        raise UserError(f"{source} does not exist: pass the release's .bin file (or a checkpoint directory)")
     found: dict[str, torch.Tensor] = {}
     for f in files:
-        if f.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(f), "pt") as st:
-                for key in st.keys():
-                    m = OFFICIAL_KEY.search(key)
-                    if m:
-                        found[f"layers.{m.group(1)}.fc{m.group(2)}.weight"] = st.get_tensor(key)
-        else:
-            for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
-                m = OFFICIAL_KEY.search(key)
-                if m:
-                    found[f"layers.{m.group(1)}.fc{m.group(2)}.weight"] = value
+        found.update(read_official(f))
     shape = head_shape(config)
-    if not found:
-        raise UserError(f"no LOCRET retaining-head weights (layers.N.self_attn.fc1/fc2) in {source}")
-    d_r = found["layers.0.fc1.weight"].shape[0]
-    heads = RetainingHeads(shape, d_r, {"kind": "imported", "source": str(source)})
-    try:
-        missing, unexpected = heads.load_state_dict({k: v.float() for k, v in found.items()}, strict=False)
-    except RuntimeError as exc:  # a size mismatch: heads for another model
-        raise UserError(f"{source} does not fit this model: {str(exc).splitlines()[-1].strip()}") from exc
-    if missing or unexpected:
-        raise UserError(f"{source} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return heads
+    d_r = check_official(found, shape, str(source))
+    save_heads(Path(out), found, shape, d_r, {"kind": "imported", "source": str(source)})
+    return Path(out)
 
 
 def hook_qkv(model, on_qkv) -> list:

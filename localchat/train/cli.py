@@ -39,8 +39,10 @@ def add_parser(sub) -> None:
     p.add_argument("--keep", type=int, default=768, help="tokens of features kept per sample (default 768)")
     p.add_argument("--seed", type=int, default=0)
 
-    q = sub.add_parser("import-heads", help="convert official LOCRET head weights into our format")
-    q.add_argument("source", help="a .safetensors/.bin file or a directory of them")
+    q = sub.add_parser("import-heads", help="convert an official LOCRET heads file into our format (the manual path "
+                                            "of `heads fetch`)")
+    q.add_argument("source", help="the release's .bin (e.g. llama-3.1-8B-instruct.bin), or a .safetensors file or "
+                                  "a directory of them")
     q.add_argument("--out", required=True)
     _model_flag(q)
 
@@ -112,18 +114,18 @@ def run_import(args) -> int:
         config = AutoConfig.from_pretrained(source)
     except OSError as exc:
         raise UserError(f"cannot read the config of {args.model}: {str(exc).splitlines()[0]}") from exc
-    import_official(args.source, config).save(args.out)
-    print(args.out)
+    print(import_official(args.source, config, args.out))
     return 0
 
 
 def add_heads_parser(sub) -> None:
     p = sub.add_parser("heads", help="retaining heads of carded models from official LOCRET releases")
     hs = p.add_subparsers(dest="heads_command", metavar="fetch", required=True)
-    f = hs.add_parser("fetch", help="fetch only the retaining heads of MODEL's official LOCRET release into the cache")
+    f = hs.add_parser("fetch", help="download MODEL's official LOCRET release (one heads-only file), check it, convert it into the cache")
     f.add_argument("name", nargs="?", metavar="MODEL",
                    help="a model card's id, alias or upstream id (default: --model, else the embedded default model)")
-    f.add_argument("--revision", default=None, help="branch, tag or commit of the release (default main)")
+    f.add_argument("--revision", default=None,
+                   help="branch, tag or commit of the release (default: the commit the model card pins)")
 
 
 def run_heads(args) -> int:
