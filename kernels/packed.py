@@ -14,9 +14,10 @@ matmul instead (for 512 x 576 x 1536 on one core: fp32 10.2 ms, int8 5.1 ms, int
 0.3 / 1.4 ms); the thresholds are where the two ways cost the same on this 2-core EPYC (bench/results/cpu-decode/). Outputs are cast back to the input's dtype, so the rest of the
 model keeps its own (fp32 on a CPU).
 
-torch's int4 layout (torch 2.13, AVX-512): rows in blocks of 64; byte j of input k of a block holds row j in its
-low nibble and row j + 32 in its high one. `unpack_int4` reads it back; `layout_ok` checks that once per
-process against torch's own packing, and int4 becomes int8 if a torch release changed it.
+torch's int4 layout (torch 2.13): rows in blocks of 64 where its kernel uses AVX-512, of 32 on other CPUs; byte j
+of input k of a block holds row j in its low nibble and row j + block/2 in its high one. `torch_block` reads the
+block off torch's own packing once per process, `unpack_int4` reads codes back with it, and int4 becomes int8
+if a torch release changed the layout.
 """
 
 from __future__ import annotations
@@ -109,23 +110,33 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(n, k), torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """torch's packed int4 `[rows, K / 2]` uint8 back to codes `[rows, K]` uint8."""
+def unpack_int4(packed: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """torch's packed int4 `[rows, K / 2]` uint8 back to codes `[rows, K]` uint8 (`block`: rows per block, by
+    default this CPU's, `torch_block()`)."""
+    block = block or torch_block() or BLOCK
     rows, half = packed.shape
-    blocks = packed.reshape(rows // BLOCK, 2 * half, BLOCK // 2)
-    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [blocks, K, 64]
+    blocks = packed.reshape(rows // block, 2 * half, block // 2)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [blocks, K, block]
     return both.permute(0, 2, 1).reshape(rows, 2 * half)
 
 
 @functools.cache
-def layout_ok() -> bool:
-    """Whether this torch packs int4 as `unpack_int4` reads it (and has the CPU kernels at all)."""
+def torch_block() -> int | None:
+    """Rows per block of torch's packed int4 on this CPU, read off torch's own packing: 64 where its kernel uses
+    AVX-512, 32 on other CPUs (AVX2); None when neither reads it back (or torch has no CPU int4 kernels)."""
     try:
         codes = torch.randint(0, 16, (2 * BLOCK, 2 * GROUP), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     except (RuntimeError, AttributeError):
-        return False
-    return packed.shape == (2 * BLOCK, GROUP) and torch.equal(unpack_int4(packed).to(torch.int32), codes)
+        return None
+    if packed.shape != (2 * BLOCK, GROUP):
+        return None
+    return next((b for b in (64, 32) if torch.equal(unpack_int4(packed, b).to(torch.int32), codes)), None)
+
+
+def layout_ok() -> bool:
+    """Whether this torch packs int4 in a layout `unpack_int4` reads (and has the CPU kernels at all)."""
+    return torch_block() is not None
 
 
 def pack_model(model: nn.Module, bits: int, skip: tuple[str, ...] = ()) -> int:

@@ -21,6 +21,17 @@ def test_the_int4_layout_read_back_is_torchs_own():
     assert torch.equal(unpack_int4(packed).to(torch.int32), codes)
 
 
+@pytest.mark.parametrize("block", [64, 32])
+def test_both_layouts_read_back(block):
+    """torch packs int4 rows in blocks of 64 (AVX-512) or 32 (other CPUs): byte j of input k of a block holds row j
+    low and row j + block/2 high. Built here by that rule, whichever this CPU uses."""
+    rows, k = 2 * block, 8
+    codes = torch.randint(0, 16, (rows, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    blocks = codes.reshape(rows // block, block, k).permute(0, 2, 1)  # [blocks, K, block]
+    packed = (blocks[..., : block // 2] | (blocks[..., block // 2:] << 4)).reshape(rows, k // 2)
+    assert torch.equal(unpack_int4(packed, block), codes)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("out_features,bias", [(192, False), (40, True)])  # 40 rows: int4 pads to a block of 64
 def test_both_paths_compute_the_dequantized_weight(bits, out_features, bias):
