@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sessions = sub.add_parser("sessions", help="list the saved conversations (or delete one)")
     sessions.add_argument("--delete", metavar="NAME", help="delete the conversation NAME and its saved cache")
+    sessions.add_argument("--show", metavar="NAME",
+                          help="the settings conversation NAME continues with (a flag on `ask` overrides one)")
 
     sub.add_parser("fetch-model", help="fetch and convert the embedded default model now (once)")
     sub.add_parser("policies", help="list the KV-cache policies")
@@ -150,11 +152,11 @@ def _check_model_config(path: Path) -> None:
         raise UserError(f"{path} is not a model config (a JSON object); point --model at a Hugging Face model directory")
 
 
-def load_engine(args):
-    """The engine the flags ask for (card defaults and the plan fill the gaps)."""
+def load_engine(args, **saved):
+    """The engine the flags ask for (a saved chat's settings, card defaults and the plan fill the gaps)."""
     from localchat.planning.load import load_engine as load
 
-    return load(resolve_spec(args))
+    return load(resolve_spec(args, **saved))
 
 
 def stats_line(engine, done) -> str:
@@ -217,6 +219,7 @@ def _ask_with_lock(args, docs) -> int:
     """`ask --session S`: holds the lock of chat S from loading it to saving it (localchat/chat_lock.py), so a
     second `ask` on S waits and then continues from what this one saved."""
     from localchat.chat_lock import WINDOW, wait_limit
+    from localchat.planning.resolve import changed_settings, saved_flags
     from localchat.store import Store
 
     wait = wait_limit()
@@ -226,16 +229,22 @@ def _ask_with_lock(args, docs) -> int:
         store.check_writable()  # a save that would fail, or a chat the window holds, says so before the model loads
         if not lock.try_acquire() and lock.holder()[0] == WINDOW:
             lock.acquire(0, _say)  # refuses in one line
-        engine = load_engine(args)
+        saved = saved_flags(store.settings(args.session).get("spec")) if store.exists(args.session) else {}
+        engine = load_engine(args, saved=saved, saved_label=f"chat {args.session!r}")
+        changes = changed_settings(saved, engine.spec) if saved and engine.spec is not None else []
+        if changes:
+            _say(f"chat {args.session!r} continues with {', '.join(changes)}: its saved cache was made with the "
+                 f"earlier settings, so the conversation is read again once")
         lock.acquire(wait, _say)  # another `ask` on this chat: wait for it, then continue from what it saved
-        return _ask_in_session(args, store, engine, docs, threading.Event())
+        return _ask_in_session(args, store, engine, docs, threading.Event(), told=bool(changes))
     finally:
         lock.release()
         store.close()
 
 
-def _ask_in_session(args, store, engine, docs, cancel) -> int:
-    """One turn in the saved chat `args.session`, whose lock this process holds: load, answer, save."""
+def _ask_in_session(args, store, engine, docs, cancel, told: bool = False) -> int:
+    """One turn in the saved chat `args.session`, whose lock this process holds: load, answer, save. `told`: the
+    user was told the conversation is read again (a changed setting), so the generic notices of it are not."""
     from localchat.engine.events import Error, Notice
     from localchat.render import stream_to
     from localchat.session import Session
@@ -244,13 +253,14 @@ def _ask_in_session(args, store, engine, docs, cancel) -> int:
         session, notices = store.load(args.session, engine)
     else:
         session, notices = Session(engine, name=args.session), []
-    for note in notices:
+    for note in notices if not told else []:
         print(f"localchat: {note}", file=sys.stderr)
 
     def events():
         for ev in session.send(args.question, docs, engine.spec.generation, cancel):
             if isinstance(ev, Notice):
-                print(f"localchat: {ev.message}", file=sys.stderr)
+                if not (told and ev.message.startswith("re-reading the conversation")):
+                    print(f"localchat: {ev.message}", file=sys.stderr)
             else:
                 yield ev
 
@@ -290,6 +300,8 @@ def run_sessions(args) -> int:
             lock.release()
         print(f"deleted {args.delete}")
         return EXIT_OK
+    if args.show is not None:
+        return _show_settings(store, args.show)
     store.collect_orphans()  # cache files a killed save left behind
     chats = store.list()
     if not chats:
@@ -307,6 +319,22 @@ def run_sessions(args) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return EXIT_OK
+
+
+def _show_settings(store, name: str) -> int:
+    """`sessions --show NAME`: what a follow-up in NAME continues with, one setting a line."""
+    from localchat.planning.resolve import saved_flags
+
+    saved = saved_flags(store.settings(name).get("spec"))
+    if not saved:
+        print(f"chat {printable(name)!r} was saved without its settings: a follow-up resolves them afresh "
+              f"(flags, environment, profile, model card, plan)")
+        return EXIT_OK
+    saved = {"model": saved.pop("model", "default"), **saved}
+    width = max(map(len, saved))
+    for key, value in saved.items():
+        print(f"{key:<{width}}  {printable(str(value))}")
     return EXIT_OK
 
 

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from localchat import __version__
 from localchat.chat_lock import ChatLock
+from localchat.engine.focus import ANSWER_ONLY
 from localchat.errors import UserError
 from localchat.paths import PARTIAL, SAFETENSORS_TMP, collect_partial, data_dir
 from localchat.session import Attachment, Session
@@ -109,7 +110,6 @@ def _quantized_weights(engine) -> str | None:
     return f"{weights} {type(getattr(attn, 'q_proj', None) or attn.qkv_proj).__name__}"
 
 
-READ_ONLY = ("focus", "focus_window", "focus_spread")  # settings that change what an answer reads, not what the cache holds (engine/focus.py)
 
 
 def fingerprint(engine) -> str:
@@ -119,7 +119,7 @@ def fingerprint(engine) -> str:
     facts = {
         "model": engine.name, "config": engine.model.config.to_json_string(use_diff=False),
         "dtype": str(next(engine.model.parameters()).dtype),
-        "settings": {k: v for k, v in settings_of(engine).items() if k not in READ_ONLY},
+        "settings": {k: v for k, v in settings_of(engine).items() if k not in ANSWER_ONLY},
         "heads": _heads_hash(getattr(engine.policy, "heads", None)), "weights": _quantized_weights(engine),
         "torch": torch.__version__, "transformers": transformers.__version__, "localchat": __version__,
     }

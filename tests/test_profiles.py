@@ -47,6 +47,39 @@ def test_precedence_cli_over_env_over_profile(config):
     assert r.profile_source.startswith("default_profile")
 
 
+def test_precedence_cli_over_saved_chat_over_env_over_profile(config):
+    """A saved chat's settings sit between the flags given now and the environment."""
+    config('default_profile = "mine"\n[profiles.mine]\nbudget = 2048\nchunk = 256\nlocal = 50\npolicy = "h2o"\n')
+    env = {"LOCALCHAT_CHUNK": "384", "LOCALCHAT_LOCAL": "60", "LOCALCHAT_BUDGET": "999"}
+    saved = {"budget": 512, "chunk": 128, "policy": "streaming"}
+    r = profiles.resolve({"local": 70}, env=env, saved=saved, saved_label="chat 't1'")
+    assert r.values == {"budget": 512, "chunk": 128, "local": 70, "policy": "streaming"}
+    assert r.sources == {"budget": "chat 't1'", "chunk": "chat 't1'", "local": "command line", "policy": "chat 't1'"}
+    r = profiles.resolve({"budget": 64}, env=env, saved=saved)
+    assert r.values["budget"] == 64 and r.sources["budget"] == "command line" and r.values["local"] == 60
+
+
+def test_a_saved_chats_settings_resolve_into_the_same_spec(config):
+    """resolve(): a follow-up with no flags gets the first turn's RunSpec back (budget, chunk, n_s, positions,
+    precision); a flag overrides one; a flag naming another policy or model drops what belonged to the old one."""
+    from localchat.planning.resolve import changed_settings, resolve, saved_flags
+
+    first = resolve({"policy": "locret", "budget": 512, "stabilizers": 100, "chunk": 256, "kv": "int8"}, env={},
+                    device=CPU)
+    saved = saved_flags(first.to_dict())
+    again = resolve({}, env={"LOCALCHAT_BUDGET": "4096"}, device=CPU, saved=saved, saved_label="chat 't1'")
+    assert again.to_dict() == first.to_dict() and changed_settings(saved, again) == []
+    assert again.sources["budget"] == "chat 't1'" and again.sources["stabilizers"] == "chat 't1'"
+    bigger = resolve({"budget": 1024}, env={}, device=CPU, saved=saved)
+    assert (bigger.policy.budget, bigger.chunk, bigger.kv) == (1024, 256, "int8")
+    assert changed_settings(saved, bigger) == ["budget 512 -> 1024"]
+    other = resolve({"policy": "streaming"}, env={}, device=CPU, saved=saved)
+    assert other.policy.name == "streaming" and other.chunk == 256 and "stabilizers" not in dict(other.policy.params)
+    assert changed_settings(saved, other)[0] == "policy locret -> streaming"
+    assert resolve({"model": "tests/data/configs/qwen2.5-7b-instruct.json"}, env={}, device=CPU, plan=False,
+                   saved=saved).chunk != 256  # another model: nothing saved applies
+
+
 def test_profile_choice_order(config):
     config('default_profile = "cpu"\n')
     assert profiles.resolve({}, env={}).profile.name == "cpu"

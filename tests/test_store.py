@@ -358,3 +358,37 @@ def test_a_database_another_process_just_created_is_not_created_again(tmp_path, 
     store = store_mod.Store(path)
     assert len(calls) == 2 and store.db.execute("PRAGMA user_version").fetchone()[0] == store_mod.SCHEMA
     store.close()
+
+
+def test_follow_ups_without_flags_keep_the_chats_settings_and_read_only_new_tokens(tmp_path_factory, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Two turns with non-default flags, then two plain follow-ups: each reads only its own tokens and keeps the
+    first turn's model, policy, budget and chunk, even with LOCALCHAT_BUDGET set. A flag that changes what the
+    cache means says so in one line and reads the conversation once."""
+    model = str(save_tiny(tmp_path_factory.mktemp("tiny-settings")))
+    capsys.readouterr()
+    doc = tmp_path / "d.txt"
+    doc.write_text("The code word is pelican. " + "Filler text goes here. " * 60)
+    flags = ["--model", model, "--policy", "streaming", "--budget", "128", "--chunk", "64"]
+
+    def turn(argv, *question):
+        assert main([*argv, "--max-new-tokens", "6", "ask", "--session", "s", "--stats", *question]) == 0
+        err = capsys.readouterr().err.strip().splitlines()
+        return int(err[-1].split("read ")[1].split(" tokens")[0].replace(",", "")), err[:-1]
+
+    read, said = turn(flags, "--file", str(doc), "What is the code word?")
+    assert read > 600 and said == []
+    read, said = turn(flags, "Say it again.")
+    assert read < 60 and said == []
+    monkeypatch.setenv("LOCALCHAT_BUDGET", "4096")  # the environment sits below a chat's own settings
+    for question in ("And now?", "Last one?"):
+        read, said = turn([], question)
+        assert read < 60 and said == []  # no re-read, no notice
+    assert main(["sessions", "--show", "s"]) == 0
+    shown = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert (shown["model"], shown["policy"], shown["budget"], shown["chunk"]) == (model, "streaming", "128", "64")
+    read, said = turn(["--budget", "256"], "Bigger?")
+    assert read > 600 and said == ["localchat: chat 's' continues with budget 128 -> 256: its saved cache was made "
+                                   "with the earlier settings, so the conversation is read again once"]
+    read, said = turn([], "Kept?")
+    assert read < 60 and said == []  # the new budget is the chat's now

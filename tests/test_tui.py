@@ -408,6 +408,37 @@ def test_chats_are_saved_listed_and_reopened(tiny_engine, tmp_path):
     run(scenario, make_app(tiny_engine, store_path=tmp_path / "chats.sqlite3"))
 
 
+def test_a_reopened_chat_continues_with_its_own_settings(tiny_engine, tmp_path):
+    """A chat made with streaming, budget 128, opened after the window moved to budget 256 and then to full
+    attention: the window takes the chat's settings back, and its follow-up reads only the new question."""
+    async def scenario(app, pilot):
+        await type_text(pilot, "/policy streaming")
+        await type_text(pilot, "/budget 128")
+        await type_text(pilot, "remember the word tangerine " * 20)
+        await settle(pilot)
+        name = app.chat_name
+        chat_list = app.screen.query_one(ChatList)
+        await wait_for(pilot, lambda: chat_list.option_count == 1)
+        await type_text(pilot, "/new")
+        await type_text(pilot, "/budget 256")
+        await type_text(pilot, "/policy full")
+        await settle(pilot)
+        assert tiny_engine.policy.name == "full"
+        chat_list.highlighted = 0
+        chat_list.action_select()
+        await settle(pilot)
+        assert app.chat_name == name
+        assert (tiny_engine.policy.name, tiny_engine.policy.budget) == ("streaming", 128)
+        assert app.spec.policy.budget == 128 and tiny_engine.spec is app.spec
+        seen = record_events(app)
+        await type_text(pilot, "which word?")
+        await settle(pilot)
+        assert not [n for n in notes(app) if "re-read" in n]
+        assert [e for e in seen if isinstance(e, Done)][-1].prompt_tokens < 40
+
+    run(scenario, make_app(tiny_engine, store_path=tmp_path / "chats.sqlite3"))
+
+
 def test_every_key_reaches_its_action_while_typing(tiny_engine):
     from localchat.tui.keys import DEFAULT_KEYS
 

@@ -273,9 +273,10 @@ def choose_profile(cli_name: str | None, env: dict, config: dict) -> tuple[Profi
 
 
 def resolve(cli: dict[str, Any], profile_name: str | None = None, env: dict | None = None,
-            device=None) -> Resolved:
-    """Settings by precedence: `cli` (None = not given) > LOCALCHAT_* env > profile. `device` (a memory.Device)
-    turns on the warning for a profile made for another machine."""
+            device=None, saved: dict[str, Any] | None = None, saved_label: str = "saved chat") -> Resolved:
+    """Settings by precedence: `cli` (None = not given) > `saved` (a saved chat's settings) > LOCALCHAT_* env >
+    profile. `device` (a memory.Device) turns on the warning for a profile made for another machine."""
+    saved = saved or {}
     env = os.environ if env is None else env
     none = (profile_name or "").lower() == "none"
     config = {} if none else read_config()  # `--profile none` works even beside a broken config.toml
@@ -288,6 +289,8 @@ def resolve(cli: dict[str, Any], profile_name: str | None = None, env: dict | No
     for key in SETTINGS:
         if cli.get(key) is not None:
             values[key], sources[key] = cli[key], "command line"
+        elif saved.get(key) is not None:
+            values[key], sources[key] = saved[key], saved_label
         elif env.get(env_name(key)):
             values[key], sources[key] = _from_env(key, env[env_name(key)]), env_name(key)
         elif profile is not None and key in profile.values:

@@ -305,14 +305,18 @@ def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
 
 
 def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | None = None,
-            target: Target | None = None, plan: bool = True, quiet: bool = False) -> RunSpec:
-    """The RunSpec for command-line `flags` (key -> value; None = not given). `target`: plan for this memory
-    instead of what is free on `device` (this machine by default). `plan=False`: no memory plan (a model whose
-    shape is unknown until it loads is planned then, by planning/load.py)."""
+            target: Target | None = None, plan: bool = True, quiet: bool = False,
+            saved: dict[str, Any] | None = None, saved_label: str = "saved chat") -> RunSpec:
+    """The RunSpec for command-line `flags` (key -> value; None = not given). `saved`: a saved chat's settings
+    (`saved_flags`), below the flags and above everything else. `target`: plan for this memory instead of what is
+    free on `device` (this machine by default). `plan=False`: no memory plan (a model whose shape is unknown
+    until it loads is planned then, by planning/load.py)."""
     env = os.environ if env is None else env
     device = device or detect()
+    saved = still_saved(saved or {}, flags)
     cli = {k: flags.get(k) for k in profiles.SETTINGS}
-    r = profiles.resolve(cli, flags.get("profile"), env=env, device=device)
+    r = profiles.resolve(cli, flags.get("profile") or saved.get("profile"), env=env, device=device, saved=saved,
+                         saved_label=saved_label)
     if not quiet:
         for w in r.warnings:
             print(f"localchat: warning: {w}", file=sys.stderr)
@@ -320,6 +324,8 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
     for key in (*POLICY_FIELDS, *option_keys()):
         if key not in given and flags.get(key) not in (None, False):
             given[key], given_from[key] = flags[key], "command line"
+        elif key not in given and saved.get(key) not in (None, False):
+            given[key], given_from[key] = saved[key], saved_label
     model = given.get("model")
     check_architecture(model)
     card = card_for(model)
@@ -345,6 +351,48 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
                    asked=tuple((k, v) for k, v in given.items() if k in ("positions", *POLICY_FIELDS, *option_keys())),
                    sources={**sources, "profile": r.profile_source, **{f"asked.{k}": given_from[k] for k in given}})
     return complete(spec, target, quiet=quiet) if plan else spec
+
+
+# --- a saved chat's settings ---------------------------------------------------------------------------------------
+
+CACHE_KEYS = ("model", "policy", "budget", "heads", "weights", "kv", "chunk", "positions", "local", "decode_window")
+
+
+def saved_flags(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """A saved chat's RunSpec (`RunSpec.to_dict`, as the store keeps it) as flag keys -> values: what a follow-up
+    continues with unless a flag says otherwise. {} for a chat saved without one."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("policy"), dict):
+        return {}
+    p = spec["policy"]
+    out = {k: spec.get(k) for k in ("model", "chunk", "weights", "kv", "margin_mib", "profile")}
+    out.update({"policy": p.get("name"), **{k: p.get(k) for k in ("budget", "local", "positions", "decode_window",
+                                                                  "heads")}})
+    for key, (field_name, _) in option_keys().items():
+        if field_name in p:
+            out[key] = p[field_name]
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def still_saved(saved: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """The saved settings that still apply beside `flags`: none where a flag names another model (they were that
+    model's), none of the policy's where a flag names another policy (it starts from its own defaults)."""
+    if flags.get("model") is not None and flags["model"] != saved.get("model"):
+        return {}
+    if flags.get("policy") is not None and flags["policy"] != saved.get("policy"):
+        policy_keys = {"policy", "budget", "local", "positions", "decode_window", "heads", *option_keys()}
+        return {k: v for k, v in saved.items() if k not in policy_keys}
+    return saved
+
+
+def changed_settings(saved: dict[str, Any], spec: RunSpec) -> list[str]:
+    """What `spec` sets otherwise than the saved chat, among what its cache means ("budget 512 -> 1024")."""
+    from localchat.engine.focus import ANSWER_ONLY
+
+    now = saved_flags(spec.to_dict())
+    keys = list(CACHE_KEYS)
+    if saved.get("policy") == now.get("policy"):
+        keys += sorted(k for k, (f, _) in option_keys().items() if (k in saved or k in now) and f not in ANSWER_ONLY)
+    return [f"{k} {saved.get(k, 'default')} -> {now.get(k, 'default')}" for k in keys if saved.get(k) != now.get(k)]
 
 
 def complete(spec: RunSpec, target: Target | None = None, *, quiet: bool = False) -> RunSpec:

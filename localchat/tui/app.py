@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from collections.abc import Callable
 
 from textual.app import App, SystemCommand
@@ -97,6 +98,40 @@ class LocalChatApp(App):
         self.session.set_policy(policy, spec.policy.positions)
         self.engine.chunk = spec.chunk
         self.engine.spec = self.spec = spec
+
+    def spec_for_chat(self, saved: dict) -> RunSpec | None:
+        """The window's settings with a saved chat's own (policy, budget, n_s, positions, chunk, heads), or None
+        where there are none or the chat was made with another model or precision (a restart with those flags)."""
+        from dataclasses import replace
+
+        from localchat.planning.resolve import option_keys, with_policy
+
+        if not saved or self.spec is None or self.engine is None:
+            return None
+        if (saved.get("model"), saved.get("weights"), saved.get("kv", "none")) != \
+                (self.spec.model, self.spec.weights, self.spec.kv):
+            return None
+        keys = ("budget", "local", "positions", "decode_window", "heads", *option_keys())
+        spec = with_policy(self.spec, self.engine.card, self.engine.device.type, saved.get("policy"),
+                           **{k: v for k, v in saved.items() if k in keys})
+        return replace(spec, chunk=int(saved.get("chunk", spec.chunk)))
+
+    @contextmanager
+    def engine_settings(self, spec: RunSpec | None):
+        """The engine set to `spec` (nothing when None); its earlier settings back if the block fails."""
+        from localchat.planning.load import build_policy
+
+        engine = self.engine
+        before = (engine.policy, engine.positions, engine.chunk, engine.spec)
+        if spec is not None:
+            engine.set_policy(build_policy(engine, spec.policy), spec.policy.positions)
+            engine.chunk, engine.spec = spec.chunk, spec
+        try:
+            yield
+        except BaseException:
+            engine.set_policy(before[0], before[1])
+            engine.chunk, engine.spec = before[2], before[3]
+            raise
 
     def use_profile(self, name: str) -> str:
         """Apply profile `name`'s policy, budget, n_s, n_loc, positions and chunk to this chat; returns

@@ -7,6 +7,7 @@ from contextlib import closing
 from textual.widgets import OptionList
 
 from localchat.chat_lock import WINDOW
+from localchat.planning.resolve import saved_flags
 from localchat.tui.events import ChatOpened, ChatSaved
 from localchat.tui.text import one_line
 from localchat.tui.widgets.chat_list import ChatList
@@ -71,19 +72,23 @@ class SavedChats:
                     self.post_message(ChatOpened(error=f"cannot open chat {name} now: {store.chat_lock(name).in_use()}"
                                                        f"; try again when it is done"))
                     return
-                session, notices = store.load(name, self.app.engine)
+                spec = self.app.spec_for_chat(saved_flags(store.settings(name).get("spec")))
+                with self.app.engine_settings(spec):  # the chat's own settings: its cache is reused as saved
+                    session, notices = store.load(name, self.app.engine)
         except Exception as exc:  # noqa: BLE001
             if lock is not None:
                 lock.release()
             self.post_message(ChatOpened(error=f"cannot open chat {name}: {one_line(exc)}"))
             return
-        self.post_message(ChatOpened(session, name, notices, lock=lock))
+        self.post_message(ChatOpened(session, name, notices, lock=lock, spec=spec))
 
     async def on_chat_opened(self, msg: ChatOpened) -> None:
         if msg.error:
             self.note(msg.error, error=True)
             return
         self.app.session, self.app.chat_name = msg.session, msg.name
+        if msg.spec is not None:
+            self.app.spec = msg.spec
         self.app.hold_chat(msg.lock)
         await self.show_session()
         for line in msg.notices:
