@@ -130,6 +130,9 @@ def _check_flags(f: dict) -> None:
     if f["max_file_mb"] <= 0:
         raise UserError(f"--max-file-mb must be positive (got {f['max_file_mb']})")
     model = f.get("model")
+    if model is not None and not model.strip():
+        raise UserError("--model is empty; give a local model directory, a .gguf file or a Hugging Face id "
+                        "(or leave --model out for the embedded default model)")
     if model and (Path(model).expanduser() / "config.json").is_file():
         _check_model_config(Path(model).expanduser() / "config.json")
     heads = f.get("heads")

