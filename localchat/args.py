@@ -44,7 +44,7 @@ def check_quant(weights: str | None, kv: str | None) -> None:
 
 
 def resolve_spec(args, **kwargs):
-    """The run's settings, resolved once: flags > LOCALCHAT_* > profile > model card > plan."""
+    """The run's settings, resolved once: flags > a saved chat's (`saved=`) > LOCALCHAT_* > profile > card > plan."""
     from localchat.planning.resolve import resolve
 
     spec = resolve(flags(args), **kwargs)

@@ -1,7 +1,7 @@
 """The settings of a run, as one immutable value: `RunSpec` (model, precision, chunk, generation) with a
 `PolicySpec` (the KV-cache policy and its parameters).
 
-It is resolved once, before the model loads (localchat/planning/resolve.py: flags > LOCALCHAT_* environment >
+It is resolved once, before the model loads (localchat/planning/resolve.py: flags > a saved chat's settings > LOCALCHAT_* environment >
 profile > model card > plan), and then read by everything: `plan` and `profile show` print it (with the source
 of each field), the CLI, the chat window and the bench load the engine from it (planning/load.py), and a
 saved chat records it. Change a setting with `dataclasses.replace`, never in place.
