@@ -110,8 +110,6 @@ def _quantized_weights(engine) -> str | None:
     return f"{weights} {type(getattr(attn, 'q_proj', None) or attn.qkv_proj).__name__}"
 
 
-
-
 def fingerprint(engine) -> str:
     """What a saved cache depends on besides the text: model, policy (incl. heads), versions."""
     import transformers

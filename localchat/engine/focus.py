@@ -19,15 +19,14 @@ engine feeds the answer into it afterwards). The view costs K + local + answer u
 
 from __future__ import annotations
 
-# LOCRET's options that change what an answer reads, not what the cache holds (a saved cache stays valid)
-ANSWER_ONLY = ("focus", "focus_window", "focus_spread")
-
 import torch
 
 from localchat.engine.cache import KVCache
 from localchat.engine.policies.attention_stats import Collector, StatsHook, group_sum
 
 SINKS = 4  # the first positions, always in the view
+# LOCRET's options that change what an answer reads, not what the cache holds (a saved cache stays valid)
+ANSWER_ONLY = ("focus", "focus_window", "focus_spread")
 
 
 class Probe:

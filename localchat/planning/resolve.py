@@ -356,6 +356,7 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
 # --- a saved chat's settings ---------------------------------------------------------------------------------------
 
 CACHE_KEYS = ("model", "policy", "budget", "heads", "weights", "kv", "chunk", "positions", "local", "decode_window")
+CHAT_POLICY_KEYS = ("positions", *POLICY_FIELDS)  # a chat's policy settings besides the policy's own options
 
 
 def saved_flags(spec: dict[str, Any] | None) -> dict[str, Any]:
@@ -365,8 +366,7 @@ def saved_flags(spec: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     p = spec["policy"]
     out = {k: spec.get(k) for k in ("model", "chunk", "weights", "kv", "margin_mib", "profile")}
-    out.update({"policy": p.get("name"), **{k: p.get(k) for k in ("budget", "local", "positions", "decode_window",
-                                                                  "heads")}})
+    out.update({"policy": p.get("name"), **{k: p.get(k) for k in CHAT_POLICY_KEYS}})
     for key, (field_name, _) in option_keys().items():
         if field_name in p:
             out[key] = p[field_name]
@@ -379,7 +379,7 @@ def still_saved(saved: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
     if flags.get("model") is not None and flags["model"] != saved.get("model"):
         return {}
     if flags.get("policy") is not None and flags["policy"] != saved.get("policy"):
-        policy_keys = {"policy", "budget", "local", "positions", "decode_window", "heads", *option_keys()}
+        policy_keys = {"policy", *CHAT_POLICY_KEYS, *option_keys()}
         return {k: v for k, v in saved.items() if k not in policy_keys}
     return saved
 

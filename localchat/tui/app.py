@@ -104,14 +104,14 @@ class LocalChatApp(App):
         where there are none or the chat was made with another model or precision (a restart with those flags)."""
         from dataclasses import replace
 
-        from localchat.planning.resolve import option_keys, with_policy
+        from localchat.planning.resolve import CHAT_POLICY_KEYS, option_keys, with_policy
 
         if not saved or self.spec is None or self.engine is None:
             return None
         if (saved.get("model"), saved.get("weights"), saved.get("kv", "none")) != \
                 (self.spec.model, self.spec.weights, self.spec.kv):
             return None
-        keys = ("budget", "local", "positions", "decode_window", "heads", *option_keys())
+        keys = (*CHAT_POLICY_KEYS, *option_keys())
         spec = with_policy(self.spec, self.engine.card, self.engine.device.type, saved.get("policy"),
                            **{k: v for k, v in saved.items() if k in keys})
         return replace(spec, chunk=int(saved.get("chunk", spec.chunk)))
