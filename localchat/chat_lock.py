@@ -7,7 +7,8 @@ past it the second one stops in one line, before answering. The chat window hold
 open for as long as it shows it: an `ask` on that chat is refused at once (it would wait for hours), and the
 window does not open a chat an `ask` is answering in.
 
-Lock files live in <data dir>/locks/, one per chat name (named by its hash), and hold "<who> <pid>" while held.
+Lock files live in <data dir>/locks/ (0700), one per chat name (named by its hash), and hold "<who> <pid>" while
+held; one that is a link is refused, never written through.
 They are never deleted (deleting a lock file that another process has open breaks the lock); the kernel drops
 a lock when its process ends, so a killed holder blocks nobody.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from localchat.errors import UserError
 from localchat.filelock import poll_lock, try_lock
+from localchat.private_files import NOFOLLOW, open_private, room
 
 WAIT_ENV = "LOCALCHAT_SESSION_WAIT"
 DEFAULT_WAIT = 600.0  # seconds: a turn over a long document on a CPU takes minutes
@@ -60,15 +62,19 @@ class ChatLock:
     def holder(self) -> tuple[str, str]:
         """(who, pid) of the process holding it, as its file says (("", "") when unknown)."""
         try:
-            words = self.path.read_text(encoding="utf-8", errors="replace").split()
+            fd = os.open(self.path, os.O_RDONLY | NOFOLLOW)
         except OSError:
             return "", ""
+        try:
+            words = os.read(fd, 200).decode("utf-8", "replace").split()
+        finally:
+            os.close(fd)
         return (words[0], words[1]) if len(words) == 2 else ("", "")
 
     def _open(self) -> int:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            return os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+            room(self.path.parent)
+            return open_private(self.path, os.O_CREAT | os.O_RDWR)  # a link is refused, never truncated
         except OSError as exc:
             raise UserError(f"cannot lock chat {self.name!r} in {self.path.parent} ({exc.strerror or exc}); "
                             f"point LOCALCHAT_DATA_DIR at a writable folder") from None

@@ -218,15 +218,24 @@ def _say(line: str) -> None:
     print(f"localchat: {line}", file=sys.stderr, flush=True)
 
 
+def _open_store():
+    """The chats store, its notices said (a data directory open to others, a turn a failed save kept)."""
+    from localchat.store import Store
+
+    store = Store()
+    for line in store.notices:
+        _say(line)
+    return store
+
+
 def _ask_with_lock(args, docs) -> int:
     """`ask --session S`: holds the lock of chat S from loading it to saving it (localchat/chat_lock.py), so a
     second `ask` on S waits and then continues from what this one saved."""
     from localchat.chat_lock import WINDOW, wait_limit
     from localchat.planning.resolve import changed_settings, saved_flags
-    from localchat.store import Store
 
     wait = wait_limit()
-    store = Store()
+    store = _open_store()
     lock = store.chat_lock(args.session)
     try:
         store.check_writable()  # a save that would fail, or a chat the window holds, says so before the model loads
@@ -292,7 +301,7 @@ def run_sessions(args) -> int:
 
     if args.delete is not None and not args.delete.strip():
         raise UserError("the session name is empty; `localchat sessions` lists the names")
-    store = Store()
+    store = _open_store()
     if args.delete:
         lock = store.chat_lock(args.delete, "delete")
         if not lock.try_acquire():  # an `ask` answering in it, or the window showing it, would save it back

@@ -34,6 +34,7 @@ from localchat.chat_lock import ChatLock
 from localchat.engine.focus import ANSWER_ONLY
 from localchat.errors import UserError
 from localchat.paths import PARTIAL, SAFETENSORS_TMP, collect_partial, data_dir
+from localchat.private_files import check_rooms, link_error, open_private, open_warning, room
 from localchat.session import Attachment, Session
 
 SCHEMA = 2
@@ -163,10 +164,13 @@ def text_hash(text: str) -> str:
 class Store:
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path else data_dir() / "chats.sqlite3"
-        self.cache_dir = self.path.parent / "caches"
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        if not self.path.exists():  # chats hold whole documents: readable by their owner only
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+        data = self.path.parent
+        check_rooms(data)  # no link in it leads outside (localchat/private_files.py)
+        warning = open_warning(data)
+        self.notices = [warning] if warning else []  # lines for the user, printed by whoever opened the store
+        self.cache_dir = room(data / "caches")
+        # chats hold whole documents: readable by their owner only
+        os.close(open_private(self.path, os.O_CREAT | os.O_RDWR))
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT)
             self.db.execute("PRAGMA foreign_keys = ON")
@@ -352,12 +356,14 @@ class Store:
                 "format": "localchat-cache-1", "sha256": tensors_hash(tensors)}
         stem = hashlib.sha256(session.name.encode()).hexdigest()[:12]
         final = self.cache_dir / f"{stem}-{meta['text'][:12]}-{time.time_ns()}.safetensors"
-        scratch = self.cache_dir / PARTIAL
-        scratch.mkdir(exist_ok=True)
-        tmp = scratch / final.with_suffix(".tmp").name
+        tmp = room(self.cache_dir / PARTIAL) / final.with_suffix(".tmp").name
         save_file(tensors, str(tmp), metadata=meta)  # through a temporary file of its own, in scratch too
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        fd = open_private(tmp, os.O_RDONLY)
+        try:
+            os.fchmod(fd, 0o600)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, final)
         return final.name
 
@@ -371,6 +377,11 @@ class Store:
             path = self._cache_path(cache_file)
             if path is None:
                 return "its file name is not one localchat writes"
+            kind = path.lstat().st_mode
+            if stat.S_ISLNK(kind):
+                raise link_error(path)
+            if not stat.S_ISREG(kind):
+                return f"{path.name} in {self.cache_dir} is not a file (a folder or a device is in its place)"
             with safe_open(str(path), framework="pt", device=str(engine.device)) as f:
                 meta = f.metadata() or {}
                 if meta.get("format") != "localchat-cache-1":
@@ -384,6 +395,8 @@ class Store:
                 return "the file is damaged: its tensors do not match their checksum"
         except FileNotFoundError:
             return "its file is missing"
+        except UserError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a damaged file: say so, re-read
             return f"the file is damaged: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
         cache = engine.new_cache()

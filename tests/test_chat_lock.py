@@ -114,7 +114,8 @@ def _writers(n: int, model: str, data: Path, hold: float = 300.0) -> list[dict]:
     seconds), so the writers meet at the lock however slowly a loaded machine starts them (a fixed 6 s hold
     missed them once, with two benchmark lanes on the same two cores)."""
     env = {**os.environ, "LOCALCHAT_DATA_DIR": str(data), "OMP_NUM_THREADS": "1"}
-    (data / "locks").mkdir(parents=True, exist_ok=True)
+    data.mkdir(mode=0o700, exist_ok=True)
+    (data / "locks").mkdir(mode=0o700, exist_ok=True)
     first = ChatLock("S", data / "locks")
     assert first.try_acquire()
     runs = []

@@ -68,10 +68,22 @@ def _questions(data: Path) -> list[str]:
         db.close()
 
 
-def _check(case: str, argv: list[str], capsys, monkeypatch, env: dict | None = None, data: Path | None = None,
-           world=None) -> int:
-    """Run `localchat argv` in this process and assert the property; returns the exit code."""
+def _outside(tmp: Path) -> dict[str, tuple]:
+    """Everything under `tmp` but the data directories, by (kind, size, mtime, mode), never through a link."""
+    seen = {}
+    for root, dirs, files in os.walk(tmp):
+        dirs[:] = [d for d in dirs if not d.startswith("data")]
+        for name in dirs + files:
+            st = os.lstat(os.path.join(root, name))
+            seen[os.path.relpath(os.path.join(root, name), tmp)] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return seen
+
+
+def _run(case: str, argv: list[str], capsys, monkeypatch, env: dict | None = None, data: Path | None = None,
+         world=None, outside: Path | None = None) -> tuple[int, list[str]]:
+    """Run `localchat argv` in this process; its exit code and the properties it broke (named, for the tally)."""
     before = _questions(world["data"]) if world else None
+    around = _outside(outside) if outside else None
     with monkeypatch.context() as m:
         if data is not None:
             m.setenv("LOCALCHAT_DATA_DIR", str(data))
@@ -81,16 +93,29 @@ def _check(case: str, argv: list[str], capsys, monkeypatch, env: dict | None = N
             m.setenv(key, value)
         code = main(argv)
     out, err = capsys.readouterr()
-    where = f"{case}: argv {argv!r}, env {env!r} -> exit {code}, stderr {err!r}"
-    assert code in (0, 2), where
-    assert "Traceback" not in out + err, where
     lines = err.splitlines()
     errors = [line for line in lines if line.startswith("localchat: error: ")]
     notices = [line for line in lines if line.startswith(("localchat: ", "Converting ", "["))
                and not line.startswith(("localchat: error: ", "localchat: failed: "))]
-    assert len(errors) == (1 if code == 2 else 0) and len(errors) + len(notices) == len(lines), where
-    if before is not None and data is None:
-        assert _questions(world["data"])[:len(before)] == before, where  # no turn lost
+    broke = []
+    if code not in (0, 2):
+        broke.append("exit code other than 0/2")
+    if "Traceback" in out + err:
+        broke.append("traceback")
+    if len(errors) != (1 if code == 2 else 0) or len(errors) + len(notices) != len(lines):
+        broke.append("not one line")
+    if before is not None and data is None and _questions(world["data"])[:len(before)] != before:
+        broke.append("turn lost")
+    if around is not None and _outside(outside) != around:
+        broke.append("touched outside the data directory")
+    return code, [f"{case}: {what}: argv {argv!r}, env {env!r} -> exit {code}, stderr {err!r}" for what in broke]
+
+
+def _check(case: str, argv: list[str], capsys, monkeypatch, env: dict | None = None, data: Path | None = None,
+           world=None) -> int:
+    """Run `localchat argv` in this process and assert the property; returns the exit code."""
+    code, broke = _run(case, argv, capsys, monkeypatch, env, data, world)
+    assert not broke, broke[0]
     return code
 
 
@@ -300,21 +325,83 @@ def _cache_case(rng: random.Random, world, tmp: Path):
     return f"cache:{kind}", ["--model", world["model"], *FLAGS, "ask", "--session", "keep", "q"], None, data
 
 
-CATEGORIES = [_file_case, _flag_case, _env_case, _config_case, _heads_case, _model_case, _database_case, _cache_case]
+LINK_COMMANDS = [["ask", "--session", "keep", "q"], ["sessions"], ["sessions", "--delete", "keep"],
+                 ["sessions", "--show", "keep"]]
+SIDE_FILES = ["chats.sqlite3-journal", "chats.sqlite3-wal", "journal"]  # not there now; written by a later save
+
+
+LINK_KINDS = ["symlink-copy", "symlink-file", "symlink-nothing", "hardlink"]
+
+
+def _link_case(rng: random.Random, world, tmp: Path, name: str | None = None, kind: str | None = None,
+               command: list[str] | None = None):
+    """One file or folder of a copy of the data directory (or one it may write next) made a link to something
+    outside it: a symbolic link to a copy of it (a valid cache, database or lock elsewhere), to a plain file, or to
+    nothing yet; or a hard link."""
+    n = rng.randrange(10**9)
+    while (tmp / f"data{n}").exists():
+        n += 1
+    data, outside = tmp / f"data{n}", tmp / f"outside{n}"
+    shutil.copytree(world["data"], data)
+    outside.mkdir()
+    name = name or rng.choice(_data_names(data))
+    path = data / name
+    kind = kind or rng.choice(LINK_KINDS)
+    target = outside / "target"
+    if path.is_dir():
+        shutil.copytree(path, target)
+        kind = kind if kind != "hardlink" else "symlink-copy"
+    elif path.exists() and kind in ("symlink-copy", "hardlink"):
+        shutil.copy2(path, target)
+    elif kind != "symlink-nothing":
+        target.write_text("not localchat's")
+        kind = kind if path.exists() or kind != "hardlink" else "symlink-file"
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    if kind == "hardlink":
+        os.link(target, path)
+    else:
+        path.symlink_to(target)
+    argv = ["--model", world["model"], *FLAGS, *(command or rng.choice(LINK_COMMANDS))]
+    return f"link:{kind}:{name}", argv, None, data, outside
+
+
+def _data_names(data: Path) -> list[str]:
+    """Every file and folder the data directory holds, and those a later save writes."""
+    return sorted(str(p.relative_to(data)) for p in data.rglob("*")) + SIDE_FILES
+
+
+CATEGORIES = [_file_case, _flag_case, _env_case, _config_case, _heads_case, _model_case, _database_case, _cache_case,
+              _link_case]
+BROKEN = ("exit code other than 0/2", "traceback", "not one line", "turn lost", "touched outside the data directory")
 
 
 def _fuzz(per_category: int, world, tmp_path, capsys, monkeypatch, seed: int | None = None) -> None:
+    """Every case of every category, then one assertion on the tally (printed, and written to
+    LOCALCHAT_FUZZ_REPORT when set): how many cases broke each property."""
     seed = _seed(seed)
     rng = random.Random(seed)
+    cases, codes, broken = 0, {}, []
     for gen in CATEGORIES:
         for i in range(per_category):
-            case, argv, env, data = gen(rng, world, tmp_path)
+            case, argv, env, data, *outside = gen(rng, world, tmp_path)
             case = f"seed {seed}, {case} #{i}"
-            if data is not None:  # a damaged copy of the data dir: its own property is exit 0/2 and one line
-                _check(case, argv, capsys, monkeypatch, env, data=data)
-            else:
-                _check(case, argv, capsys, monkeypatch, env, world=world)
+            # a damaged copy of the data dir: its own property is exit 0/2, one line, nothing outside touched
+            code, broke = _run(case, argv, capsys, monkeypatch, env, data, None if data else world,
+                               outside[0] if outside else tmp_path)
+            cases += 1
+            codes[code] = codes.get(code, 0) + 1
+            broken += broke
     assert _questions(world["data"])[0] == "first question"
+    tally = {what: sum(f": {what}: " in b for b in broken) for what in BROKEN}
+    report = (f"fuzz seed {seed}: {cases} cases ({per_category} per category, {len(CATEGORIES)} categories); exit "
+              f"codes {dict(sorted(codes.items()))}; " + "; ".join(f"{what}: {k}" for what, k in tally.items()))
+    print(report)
+    if os.environ.get("LOCALCHAT_FUZZ_REPORT"):
+        Path(os.environ["LOCALCHAT_FUZZ_REPORT"]).write_text(report + "\n" + "\n".join(broken) + "\n")
+    assert not broken, report + "\n" + "\n".join(broken[:5])
 
 
 def test_fuzz_quick(world, tmp_path, capsys, monkeypatch):
@@ -324,6 +411,19 @@ def test_fuzz_quick(world, tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_fuzz_long(world, tmp_path, capsys, monkeypatch):
     _fuzz(40, world, tmp_path, capsys, monkeypatch)
+
+
+def test_link_attacks_on_every_file_of_the_data_directory(world, tmp_path, capsys, monkeypatch):
+    """Each file and folder of the data directory, and each one a save writes next, made a link of each kind, under
+    each command that opens the store: exit 0 or 2, one line, nothing outside the data directory touched."""
+    broken, cases = [], 0
+    for name in _data_names(world["data"]):
+        for kind in LINK_KINDS:
+            for command in LINK_COMMANDS:
+                case, argv, env, data, outside = _link_case(random.Random(0), world, tmp_path, name, kind, command)
+                broken += _run(case, argv, capsys, monkeypatch, env, data, None, outside)[1]
+                cases += 1
+    assert cases >= 80 and not broken, f"{len(broken)} of {cases} cases broke a property:\n" + "\n".join(broken[:5])
 
 
 @pytest.mark.parametrize("value", ["1", "1.5", "true"])

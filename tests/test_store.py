@@ -197,6 +197,11 @@ def test_schema_version_and_listing(tmp_path, engine):
         Store(db)
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("tiny-store")))
+
+
 def test_cli_session_continues_across_runs(tmp_path_factory, tmp_path, capsys):
     model = str(save_tiny(tmp_path_factory.mktemp("tiny-session")))
     doc = tmp_path / "d.txt"
@@ -338,6 +343,25 @@ def test_a_new_data_directory_is_private(tmp_path, monkeypatch):
     (tmp_path / "mine").mkdir(mode=0o755)
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path / "mine"))  # one the user made keeps its mode
     assert paths.data_dir().stat().st_mode & 0o777 == 0o755
+
+
+def test_the_rooms_are_private_and_a_wider_data_directory_is_named_once(tiny_dir, tmp_path, monkeypatch, capsys):
+    from localchat.cli import main
+
+    data = tmp_path / "wide"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(data))
+    assert main(["--model", tiny_dir, "--max-new-tokens", "2", "ask", "--session", "s", "q"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("is open to other users (mode 755)") == 1 and "chmod 700" in err
+    assert data.stat().st_mode & 0o777 == 0o755  # named, not changed behind the user's back
+    for room in ("caches", "caches/partial", "locks"):
+        assert (data / room).stat().st_mode & 0o777 == 0o700, room
+    for f in [data / "chats.sqlite3", *(data / "caches").glob("*.safetensors"), *(data / "locks").iterdir()]:
+        assert f.stat().st_mode & 0o777 == 0o600, f
+    data.chmod(0o700)
+    assert main(["sessions"]) == 0 and "open to other users" not in capsys.readouterr().err
 
 
 def test_a_database_another_process_just_created_is_not_created_again(tmp_path, monkeypatch):

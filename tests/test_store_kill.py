@@ -199,8 +199,13 @@ def test_sessions_collects_old_orphans_only_plain_and_ours(tmp_path, monkeypatch
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path))
     Store().close()
     names = _orphans(tmp_path / "caches", tmp_path / "outside.safetensors")
+    assert main(["sessions"]) == 2  # a link in caches/: refused in one line, nothing collected
+    err = capsys.readouterr().err
+    assert "is a symbolic link" in err and names["link"] in err and err.count("\n") == 1
+    assert _tree(tmp_path / "caches") == set(names.values()) - {"partial"}
+    (tmp_path / "caches" / names["link"]).unlink()
     assert main(["sessions"]) == 0
-    assert _tree(tmp_path / "caches") == {names[k] for k in KEPT}
+    assert _tree(tmp_path / "caches") == {names[k] for k in KEPT if k != "link"}
     assert (tmp_path / "outside.safetensors").read_text() == "not ours"
 
 

@@ -33,6 +33,7 @@ class LocalChatApp(App):
         self.profile_name: str | None = spec.profile if spec is not None else None  # the device profile (/profile)
         self.max_bytes = max_bytes
         self.store_path = store_path
+        self.said: set[str] = set()  # the store's notices already shown in this window
         self.memory_probe = memory_probe or device_memory
         self.engine_lock = threading.Lock()  # one engine user at a time (tokenizers are not thread-safe)
         if keymap is None:

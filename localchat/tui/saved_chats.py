@@ -24,10 +24,14 @@ class SavedChats:
     def _list_chats(self) -> None:
         try:
             with closing(self.app.store()) as store:
-                chats = store.list()
+                chats, notices = store.list(), store.notices
         except Exception as exc:  # noqa: BLE001 - a broken store must not take the app down
             self.app.call_from_thread(self.note, f"cannot list saved chats: {exc}", True)
             return
+        for line in notices:
+            if line not in self.app.said:  # once per window
+                self.app.said.add(line)
+                self.app.call_from_thread(self.note, line)
         self.app.call_from_thread(self.query_one(ChatList).show, chats, self.app.chat_name)
 
     def _save(self) -> None:
