@@ -95,9 +95,9 @@ def prepare(say) -> None:
         except Exception:  # noqa: BLE001 - an unusable cache dir: kernels() says so below
             fresh = False
         if fresh:
-            say("building the CPU decode kernels (once per machine)…")
+            say("localchat: building the CPU decode kernels (once per machine)…")
     if kernels() is None and reason() != "LOCALCHAT_CPU_KERNELS=0":
-        say(f"CPU decode kernels unavailable ({reason()}); decoding with torch's ops (slower)")
+        say(f"localchat: CPU decode kernels unavailable ({reason()}); decoding with torch's ops (slower)")
 
 
 def reason() -> str | None:

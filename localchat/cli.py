@@ -267,6 +267,7 @@ def _ask_in_session(args, store, engine, docs, cancel, told: bool = False) -> in
         session, notices = Session(engine, name=args.session), []
     for note in notices if not told else []:
         print(f"localchat: {note}", file=sys.stderr)
+    told = told or bool(notices)  # why the conversation is read again is said once
 
     def events():
         for ev in session.send(args.question, docs, engine.spec.generation, cancel):

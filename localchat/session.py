@@ -64,6 +64,7 @@ class Session:
         self.name = name
         self.saved_at: float | None = None  # when the store last saved (or loaded) it: a newer save elsewhere conflicts
         self.questions: list[str] = []  # the user's own words per user turn (for display and export)
+        self.kept_turns: list = []  # journal files a failed save of this session wrote (localchat/turn_journal.py)
         self.last: Done | None = None
         self._state = _State()
         self._before_last: tuple[_State, KVCache | int | None] | None = None  # for retry / edit

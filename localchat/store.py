@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from localchat import __version__
+from localchat import __version__, turn_journal
 from localchat.chat_lock import ChatLock
 from localchat.engine.focus import ANSWER_ONLY
 from localchat.errors import UserError
@@ -68,6 +68,21 @@ MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document
 # process's save in progress (written, waiting up to LOCK_WAIT for the database, not yet committed).
 ORPHAN_GRACE = 300.0
 CACHE_NAME = re.compile(r"[0-9a-f]{12}-[0-9a-f]{12}-[0-9]+\.(safetensors|tmp)")  # what _write_cache names
+
+
+class SaveIncomplete(UserError):
+    """A save that kept the turn, but not all of the chat where it belongs; `name` is set when the chat is saved."""
+
+    def __init__(self, name: str | None, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+def _reason(exc: BaseException) -> str:
+    """An OS or SQLite failure in a few words ("No space left on device", "database or disk is full")."""
+    text = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    errno = re.search(r"\(os error ([0-9]+)\)", text)  # safetensors' wording of an OS error
+    return os.strerror(int(errno.group(1))) if errno else text[:200]
 
 
 def damaged(path: Path, exc: Exception) -> UserError:
@@ -176,6 +191,7 @@ class Store:
             self.db.execute("PRAGMA foreign_keys = ON")
             self._migrate()
             self._check_schema()
+            self._replay()
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc) or "busy" in str(exc):
                 raise UserError(f"{self.path} is locked by another localchat ({exc}); close it and try again") \
@@ -205,7 +221,7 @@ class Store:
                 self.db.execute(f"PRAGMA user_version = {v}")
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
 
     def _version(self) -> int:
@@ -268,10 +284,40 @@ class Store:
     # --- save / load ---------------------------------------------------------------------------
 
     def save(self, session: Session, name: str | None = None) -> str:
-        """Save messages, settings and (when small enough) the compressed cache; returns the name."""
+        """Save messages, settings and (when small enough) the compressed cache; returns the name.
+
+        An answered turn is never lost: when the cache file cannot be written the chat is saved without it (the
+        next question reads the conversation again), and when the database cannot take the turn it is kept in
+        the journal (localchat/turn_journal.py) for the next run; both raise SaveIncomplete, one line that says
+        where the turn is."""
         name = name or session.name or self._new_name()
         session.name = name
-        cache_file = self._write_cache(session)
+        try:
+            cache_file, cache_problem = self._write_cache(session), None
+        except Exception as exc:  # noqa: BLE001 - disk full, a size limit, a read-only medium: the turn goes on
+            cache_file, cache_problem = None, _reason(exc)
+        try:
+            old = self._write_row(session, name, cache_file)
+        except UserError:
+            self._remove(cache_file)
+            raise
+        except (sqlite3.Error, OSError) as exc:
+            self._remove(cache_file)
+            raise SaveIncomplete(None, self._keep_turn(session, name, _reason(exc))) from None
+        if old and old != cache_file:
+            self._remove(old)
+        for path in session.kept_turns:  # turns the journal kept for this session are in the chat now
+            path.unlink(missing_ok=True)
+        session.kept_turns = []
+        self.collect_orphans()
+        if cache_problem:
+            raise SaveIncomplete(name, f"chat {name!r} is saved, but not its compressed cache ({cache_problem}); "
+                                       f"the next question reads the conversation again once. Make room in "
+                                       f"{self.cache_dir} (disk space, or the file-size limit) to keep it next time")
+        return name
+
+    def _write_row(self, session: Session, name: str, cache_file: str | None) -> str | None:
+        """One transaction: the chat's row, messages and attachments; the cache file it replaced (or None)."""
         now = time.time()
         e = session.engine
         settings = {**settings_of(e), "spec": e.spec.to_dict() if e.spec is not None else None}  # the run's RunSpec
@@ -284,30 +330,134 @@ class Store:
                                 f"not saved, so nothing of either is lost: ask again to continue from the saved chat")
             if old:
                 self.db.execute("DELETE FROM chats WHERE id = ?", (old[0],))
-            cur = self.db.execute(
-                "INSERT INTO chats (name, title, model, policy, system, created, updated, fed, kept_units, "
-                "kept_bytes, cache_file, settings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, session.title(), e.name, e.policy.name, session.system, old[2] if old else now, now,
-                 session.fed, session.kv_units, session.kv_bytes, cache_file, json.dumps(settings)))
-            chat_id = cur.lastrowid
             questions = iter(session.questions)
-            self.db.executemany(
-                "INSERT INTO messages VALUES (?, ?, ?, ?, ?)",
-                [(chat_id, i, m["role"], m["content"], next(questions, None) if m["role"] == "user" else None)
-                 for i, m in enumerate(session.messages)])
-            self.db.executemany(
-                "INSERT INTO attachments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(chat_id, a.turn, a.name, a.path, a.sha256, a.tokens, a.start, a.end, a.offset)
-                 for a in session.attachments])
+            self._insert(name, {"title": session.title(), "model": e.name, "policy": e.policy.name,
+                                "system": session.system, "created": old[2] if old else now, "updated": now,
+                                "fed": session.fed, "kept_units": session.kv_units, "kept_bytes": session.kv_bytes,
+                                "cache_file": cache_file, "settings": json.dumps(settings)},
+                         [{**m, "question": next(questions, None) if m["role"] == "user" else None}
+                          for m in session.messages], session.attachments)
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
-            self._remove(cache_file)
+            self._rollback()
             raise
         session.saved_at = now
-        if old and old[1] != cache_file:
+        return old[1] if old else None
+
+    def _rollback(self) -> None:
+        """Undo the open transaction (SQLite has undone it itself after some failures, a full disk among them)."""
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+
+    def _insert(self, name: str, row: dict, messages: list[dict], attachments: list[Attachment]) -> None:
+        """Insert chat `name` (inside the caller's transaction): its row, messages and attachments."""
+        cur = self.db.execute(
+            "INSERT INTO chats (name, title, model, policy, system, created, updated, fed, kept_units, kept_bytes, "
+            "cache_file, settings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (name, row["title"], row["model"], row["policy"], row["system"], row["created"], row["updated"],
+             row["fed"], row["kept_units"], row["kept_bytes"], row["cache_file"], row["settings"]))
+        chat_id = cur.lastrowid
+        self.db.executemany("INSERT INTO messages VALUES (?, ?, ?, ?, ?)",
+                            [(chat_id, i, m["role"], m["content"], m.get("question")) for i, m in enumerate(messages)])
+        self.db.executemany("INSERT INTO attachments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            [(chat_id, a.turn, a.name, a.path, a.sha256, a.tokens, a.start, a.end, a.offset)
+                             for a in attachments])
+
+    # --- the journal: turns a failed save kept --------------------------------------------------
+
+    def _keep_turn(self, session: Session, name: str, reason: str) -> str:
+        """Write what the database lacks of `session` to the journal; the one line that says where it is."""
+        questions = iter(session.questions)
+        messages = [{**m, "question": next(questions, None) if m["role"] == "user" else None}
+                    for m in session.messages]
+        base, held = session.saved_at, []
+        try:  # the messages the database holds already (reading works where writing does not)
+            row = self.db.execute("SELECT id FROM chats WHERE name = ?", (name,)).fetchone()
+            if row:
+                held = [{"role": r, "content": c} for r, c in self.db.execute(
+                    "SELECT role, content FROM messages WHERE chat_id = ? ORDER BY idx", (row[0],))]
+        except sqlite3.Error:
+            base = None
+        start = len(held) if [{"role": m["role"], "content": m["content"]} for m in messages[:len(held)]] == held \
+            and base is not None else 0
+        e = session.engine
+        entry = {"chat": name, "base": base if start else None, "from": start, "messages": messages[start:],
+                 "system": session.system, "title": session.title(), "model": e.name, "policy": e.policy.name,
+                 "settings": json.dumps({**settings_of(e), "spec": e.spec.to_dict() if e.spec is not None else None}),
+                 "attachments": [dataclasses.asdict(a) for a in session.attachments], "fed": session.fed,
+                 "time": time.time()}
+        try:
+            path = turn_journal.keep(self.path.parent / "journal", entry)
+        except (OSError, UserError) as exc:
+            return (f"chat {name!r} could not be saved ({reason}), nor its turn kept aside ({_reason(exc)}): the "
+                    f"answer above is all there is of it. Make room in {self.path.parent} (disk space, or the file-size "
+                    f"limit) and ask again")
+        session.kept_turns.append(path)
+        return (f"chat {name!r} could not be saved ({reason}); this turn is kept in {path}, and the next localchat "
+                f"run puts it back into the chat. Make room in {self.path.parent} (disk space, or the file-size limit)")
+
+    def _replay(self) -> None:
+        """Put the turns kept in the journal back into their chats (see localchat/turn_journal.py)."""
+        for path in turn_journal.waiting(self.path.parent / "journal"):
+            entry = turn_journal.read(path)
+            if entry is None:
+                self.notices.append(f"{path} is not a turn localchat kept; it is left as it is (move it aside)")
+                continue
+            name = entry["chat"]
+            lock = self.chat_lock(name, "replay")
+            if not lock.try_acquire():  # in use: the next start puts it back
+                continue
+            try:
+                if not path.exists():  # another process put it back
+                    continue
+                try:
+                    kept_as = self._put_back(entry)
+                except (sqlite3.Error, OSError, KeyError, TypeError, ValueError) as exc:
+                    self.notices.append(f"a turn of chat {name!r} is still kept in {path} ({_reason(exc)})")
+                    continue
+                path.unlink(missing_ok=True)
+                self.notices.append(f"a turn of chat {name!r} that a failed save kept aside is saved now"
+                                    + (f", as chat {kept_as!r} (the chat changed since)" if kept_as != name else ""))
+            finally:
+                lock.release()
+
+    def _put_back(self, entry: dict) -> str:
+        """Write a kept turn into its chat, or as a chat of its own when the chat changed since; the name used."""
+        name = entry["chat"]
+        attachments = [Attachment(**a) for a in entry.get("attachments") or []]
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            old = self.db.execute("SELECT id, cache_file, created, updated FROM chats WHERE name = ?",
+                                  (name,)).fetchone()
+            start, messages = int(entry.get("from") or 0), entry["messages"]
+            count = self.db.execute("SELECT COUNT(*) FROM messages WHERE chat_id = ?", (old[0],)).fetchone()[0] \
+                if old else 0
+            fits = (old is None and start == 0) or (old is not None and old[3] == entry.get("base") and count == start)
+            if fits and old:
+                held = self.db.execute("SELECT role, content, question FROM messages WHERE chat_id = ? ORDER BY idx",
+                                       (old[0],)).fetchall()
+                messages = [{"role": r, "content": c, "question": q} for r, c, q in held] + messages
+                self.db.execute("DELETE FROM chats WHERE id = ?", (old[0],))
+            elif not fits:
+                kept_as = f"{name} (kept)"
+                n = 2
+                while self.exists(kept_as):
+                    kept_as, n = f"{name} (kept {n})", n + 1
+                name, attachments = kept_as, [a for a in attachments if a.turn >= start]
+                attachments = [dataclasses.replace(a, turn=a.turn - start) for a in attachments]
+            when = float(entry.get("time") or time.time())
+            self._insert(name, {"title": str(entry.get("title") or name), "model": str(entry.get("model") or ""),
+                                "policy": str(entry.get("policy") or ""), "system": entry.get("system"),
+                                "created": old[2] if fits and old else when, "updated": when,
+                                "fed": int(entry.get("fed") or 0),
+                                "kept_units": 0, "kept_bytes": 0, "cache_file": None,
+                                "settings": str(entry.get("settings") or "{}")}, messages, attachments)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+        if fits and old:
             self._remove(old[1])
-        self.collect_orphans()
         return name
 
     def load(self, name: str, engine) -> tuple[Session, list[str]]:
@@ -357,14 +507,18 @@ class Store:
         stem = hashlib.sha256(session.name.encode()).hexdigest()[:12]
         final = self.cache_dir / f"{stem}-{meta['text'][:12]}-{time.time_ns()}.safetensors"
         tmp = room(self.cache_dir / PARTIAL) / final.with_suffix(".tmp").name
-        save_file(tensors, str(tmp), metadata=meta)  # through a temporary file of its own, in scratch too
-        fd = open_private(tmp, os.O_RDONLY)
         try:
-            os.fchmod(fd, 0o600)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+            save_file(tensors, str(tmp), metadata=meta)  # through a temporary file of its own, in scratch too
+            fd = open_private(tmp, os.O_RDONLY)
+            try:
+                os.fchmod(fd, 0o600)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk: give back what it took
+            raise
         return final.name
 
     def _read_cache(self, session: Session, cache_file: str | None, fed: int) -> str | None:
@@ -438,7 +592,9 @@ class Store:
         def ours(name: str) -> bool:  # in caches/: our names, and safetensors' temporary files of earlier versions
             return name not in referenced and bool(CACHE_NAME.fullmatch(name) or SAFETENSORS_TMP.fullmatch(name))
 
-        return collect_partial(self.cache_dir, ours, ORPHAN_GRACE if grace is None else grace)
+        grace = ORPHAN_GRACE if grace is None else grace
+        return collect_partial(self.cache_dir, ours, grace) + \
+            collect_partial(self.path.parent / "journal", lambda n: n.endswith(".tmp"), grace)
 
     def _new_name(self) -> str:
         n = 1 + self.db.execute("SELECT COUNT(*) FROM chats").fetchone()[0]

@@ -80,8 +80,8 @@ def test_loading_a_model_says_it_builds_and_then_that_torchs_ops_stand_in(monkey
     monkeypatch.setattr(cpu_decode, "kernels", cpu_decode.kernels.__wrapped__)
     monkeypatch.setattr(cpu_decode, "build_dir", lambda: __import__("pathlib").Path("/proc/no-such-dir"))
     cpu_decode.prepare(said.append)
-    assert len(said) == 2 and said[0].startswith("building the CPU decode kernels")
-    assert said[1].startswith("CPU decode kernels unavailable (") and "torch's ops" in said[1]
+    assert len(said) == 2 and said[0].startswith("localchat: building the CPU decode kernels")
+    assert said[1].startswith("localchat: CPU decode kernels unavailable (") and "torch's ops" in said[1]
 
 
 @pytest.mark.parametrize("rows,inputs", [(960, 576), (40, 64), (576, 1536)])  # 40 rows: padded to a block of 64

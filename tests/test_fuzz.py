@@ -325,9 +325,31 @@ def _cache_case(rng: random.Random, world, tmp: Path):
     return f"cache:{kind}", ["--model", world["model"], *FLAGS, "ask", "--session", "keep", "q"], None, data
 
 
+def _journal_case(rng: random.Random, world, tmp: Path):
+    """A kept turn in the journal that is damaged, of other types, or does not fit its chat."""
+    import json
+
+    data = tmp / f"data{rng.randrange(10**9)}"
+    shutil.copytree(world["data"], data)
+    (data / "journal").mkdir(mode=0o700)
+    entry = {"format": "localchat-turn-1", "chat": rng.choice(["keep", "other", "", "x" * 300]),
+             "base": rng.choice([None, 0, "x", 1e300]), "from": rng.choice([0, 2, -1, "2", 10**9]),
+             "messages": rng.choice([[{"role": "user", "content": "q", "question": "q"},
+                                      {"role": "assistant", "content": "a"}], [], "x"]),
+             "attachments": rng.choice([[], [{"name": "d"}], "x", None]), "settings": rng.choice(["{}", 5, "[", None]),
+             "time": rng.choice([1.0, "x", None]), "fed": rng.choice([0, -5, "x"])}
+    kind = rng.choice(["bytes", "types", "entry"])
+    body = {"bytes": lambda: rng.randbytes(rng.randrange(0, 300)), "types": lambda: b'["x", 1]',
+            "entry": lambda: json.dumps(entry).encode()}[kind]()
+    (data / "journal" / f"{rng.randrange(16**12):012x}-999999999-{rng.randrange(10**9)}.json").write_bytes(body)
+    argv = ["--model", world["model"], *FLAGS, *rng.choice([["ask", "--session", "keep", "q"], ["sessions"]])]
+    return f"journal:{kind}", argv, None, data
+
+
 LINK_COMMANDS = [["ask", "--session", "keep", "q"], ["sessions"], ["sessions", "--delete", "keep"],
                  ["sessions", "--show", "keep"]]
-SIDE_FILES = ["chats.sqlite3-journal", "chats.sqlite3-wal", "journal"]  # not there now; written by a later save
+# not there now: written by a later save, or by one that failed (a kept turn)
+SIDE_FILES = ["chats.sqlite3-journal", "chats.sqlite3-wal", "journal", "journal/0123456789ab-1-1.json"]
 
 
 LINK_KINDS = ["symlink-copy", "symlink-file", "symlink-nothing", "hardlink"]
@@ -360,6 +382,7 @@ def _link_case(rng: random.Random, world, tmp: Path, name: str | None = None, ki
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+    path.parent.mkdir(mode=0o700, exist_ok=True)
     if kind == "hardlink":
         os.link(target, path)
     else:
@@ -374,7 +397,7 @@ def _data_names(data: Path) -> list[str]:
 
 
 CATEGORIES = [_file_case, _flag_case, _env_case, _config_case, _heads_case, _model_case, _database_case, _cache_case,
-              _link_case]
+              _journal_case, _link_case]
 BROKEN = ("exit code other than 0/2", "traceback", "not one line", "turn lost", "touched outside the data directory")
 
 
@@ -384,6 +407,8 @@ def _fuzz(per_category: int, world, tmp_path, capsys, monkeypatch, seed: int | N
     seed = _seed(seed)
     rng = random.Random(seed)
     cases, codes, broken = 0, {}, []
+    (world["root"] / "cwd").mkdir(exist_ok=True)
+    monkeypatch.chdir(world["root"] / "cwd")  # a relative path in a case lands here
     for gen in CATEGORIES:
         for i in range(per_category):
             case, argv, env, data, *outside = gen(rng, world, tmp_path)

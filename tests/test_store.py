@@ -416,3 +416,83 @@ def test_follow_ups_without_flags_keep_the_chats_settings_and_read_only_new_toke
                                    "with the earlier settings, so the conversation is read again once"]
     read, said = turn([], "Kept?")
     assert read < 60 and said == []  # the new budget is the chat's now
+
+
+# --- a save that hits a limit keeps the turn ------------------------------------------------------------------
+
+
+def _ask_limited(model: str, data: Path, limit_bytes: int, *args: str) -> subprocess.CompletedProcess:
+    """`localchat ask --session t ...` in a process whose files cannot grow past `limit_bytes` (ulimit -f)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    env = {**os.environ, "LOCALCHAT_DATA_DIR": str(data), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "localchat", "--model", model, "--max-new-tokens", "3", "--policy",
+                           "full", "ask", "--session", "t", *args], capture_output=True, text=True, env=env,
+                          preexec_fn=limit, timeout=300, check=False)
+
+
+def _saved_questions(data: Path, chat: str = "t") -> list[str]:
+    db = sqlite3.connect(data / "chats.sqlite3")
+    try:
+        return [q for (q,) in db.execute("SELECT m.question FROM messages m JOIN chats c ON c.id = m.chat_id "
+                                         "WHERE c.name = ? AND m.role = 'user' ORDER BY m.idx", (chat,))]
+    finally:
+        db.close()
+
+
+def test_a_save_past_the_file_size_limit_keeps_the_turn(tiny_dir, tmp_path, monkeypatch, capsys):
+    """The database cannot grow: the turn goes to the journal (exit 2, one line naming the file) and the next run
+    puts it back. The cache file cannot be written: the chat is saved without it (exit 2, one line), and the next
+    question reads the conversation again and saves a cache as before."""
+    data = tmp_path / "data"
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(data))
+    flags = ["--model", tiny_dir, "--max-new-tokens", "3", "--policy", "full"]
+    assert main([*flags, "ask", "--session", "t", "first"]) == 0
+    capsys.readouterr()
+
+    run = _ask_limited(tiny_dir, data, 8192, "second")  # the database is larger than that already
+    kept = sorted((data / "journal").glob("*.json"))
+    assert run.returncode == 2 and len(kept) == 1, run.stderr
+    assert run.stderr.count("\n") == 1 and f"this turn is kept in {kept[0]}" in run.stderr and run.stdout  # the answer was shown
+    assert _saved_questions(data) == ["first"]
+    assert main(["sessions"]) == 0  # the next run puts it back
+    err = capsys.readouterr().err
+    assert "a turn of chat 't' that a failed save kept aside is saved now" in err
+    assert _saved_questions(data) == ["first", "second"] and not list((data / "journal").glob("*.json"))
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The code word is pelican. " + "Filler words go here. " * 300)
+    limit = (data / "chats.sqlite3").stat().st_size + 64 * 1024  # the database may grow, the cache (MBs) may not
+    run = _ask_limited(tiny_dir, data, limit, "--file", str(doc), "third")
+    assert run.returncode == 2 and run.stderr.count("localchat: error: ") == 1, run.stderr
+    assert run.stderr.count("\n") == 2 and "no cache was saved with it" in run.stderr  # the put-back turn: read again
+    assert "is saved, but not its compressed cache (File too large)" in run.stderr
+    assert _saved_questions(data) == ["first", "second", "third"]
+    assert not list((data / "caches").rglob("*.safetensors")) and not list((data / "caches" / "partial").iterdir())
+
+    assert main([*flags, "ask", "--session", "t", "--stats", "fourth"]) == 0
+    err = capsys.readouterr().err
+    assert "no cache was saved with it" in err and err.count("\n") == 2  # that notice, and the stats line
+    assert _saved_questions(data) == ["first", "second", "third", "fourth"]
+    assert len(list((data / "caches").glob("*.safetensors"))) == 1
+
+
+def test_a_kept_turn_whose_chat_changed_since_is_saved_as_a_chat_of_its_own(tiny_dir, tmp_path, monkeypatch,
+                                                                              capsys):
+    data = tmp_path / "data"
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(data))
+    assert main(["--model", tiny_dir, "--max-new-tokens", "3", "--policy", "full", "ask", "--session", "t",
+                 "first"]) == 0
+    assert _ask_limited(tiny_dir, data, 8192, "second").returncode == 2
+    db = sqlite3.connect(data / "chats.sqlite3")
+    db.execute("UPDATE chats SET updated = updated + 1")  # as if another save came first
+    db.commit()
+    db.close()
+    capsys.readouterr()
+    assert main(["sessions"]) == 0
+    out, err = capsys.readouterr()
+    assert "is saved now, as chat 't (kept)' (the chat changed since)" in err and "t (kept)" in out
+    assert _saved_questions(data) == ["first"] and _saved_questions(data, "t (kept)") == ["second"]

@@ -35,21 +35,33 @@ class SavedChats:
         self.app.call_from_thread(self.query_one(ChatList).show, chats, self.app.chat_name)
 
     def _save(self) -> None:
+        from localchat.store import SaveIncomplete
+
+        problem = None
         try:
             with closing(self.app.store()) as store:
-                name = store.save(self.app.session, self.app.chat_name)
+                try:
+                    name = store.save(self.app.session, self.app.chat_name)
+                except SaveIncomplete as exc:  # the turn is kept; the chat saved without its cache, or aside
+                    if exc.name is None:
+                        raise
+                    name, problem = exc.name, str(exc)
                 held = self.app.chat_lock
                 if held is None or held.name != name:  # a chat saved for the first time: hold it from now on
                     lock = store.chat_lock(name, WINDOW)
                     self.app.hold_chat(lock if lock.try_acquire() else None)
+        except SaveIncomplete as exc:
+            self.post_message(ChatSaved(None, str(exc)))
+            return
         except Exception as exc:  # noqa: BLE001
             self.post_message(ChatSaved(None, f"could not save this chat: {one_line(exc)}"))
             return
-        self.post_message(ChatSaved(name))
+        self.post_message(ChatSaved(name, problem))
 
     def on_chat_saved(self, msg: ChatSaved) -> None:
         if msg.error:
             self.note(msg.error, error=True)
+        if msg.name is None:
             return
         self.app.chat_name = msg.name
         self.refresh_chats()
