@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sqlite3
 import sys
 import threading
@@ -188,10 +189,10 @@ def run_ask(args) -> int:
 
     if not args.question.strip():
         raise UserError("the question is empty; put it in quotes after `ask`")
-    if args.session is not None and not args.session.strip():
-        raise UserError("the session name is empty; give one, e.g. --session notes")
-    if args.session is not None and not args.session.isprintable():
-        raise UserError("the session name holds control characters; use letters, digits and punctuation")
+    if args.session is not None:
+        from localchat.store import check_name
+
+        check_name(args.session)
     # Read every document before loading the model, so a bad path fails fast.
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
     if args.session:
@@ -298,7 +299,7 @@ def printable(text: str) -> str:
 
 def run_sessions(args) -> int:
     from localchat.engine.policies import POLICIES
-    from localchat.store import Store
+    from localchat.store import NAME_MAX
 
     if args.delete is not None and not args.delete.strip():
         raise UserError("the session name is empty; `localchat sessions` lists the names")
@@ -327,7 +328,8 @@ def run_sessions(args) -> int:
         budget = store.settings(c.name).get("budget")
         takes_budget = c.policy in POLICIES and POLICIES[c.policy].uses_budget()
         policy = f"{c.policy} b={budget}" if budget and takes_budget else c.policy
-        rows.append((printable(c.name), printable(c.title[:40]), printable(c.model), policy, str(c.turns), f"{c.tokens:,}",
+        name = c.name if len(c.name) <= NAME_MAX else c.name[:NAME_MAX - 1] + "…"  # one saved before names were bounded
+        rows.append((printable(name), printable(c.title[:40]), printable(c.model), policy, str(c.turns), f"{c.tokens:,}",
                      f"{c.kept_bytes / 2**20:,.1f} MiB", time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -349,6 +351,16 @@ def _show_settings(store, name: str) -> int:
     for key, value in saved.items():
         print(f"{key:<{width}}  {printable(str(value))}")
     return EXIT_OK
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: its reader is gone, and the flush at exit must not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # not a real file (a test's capture): nothing to flush at exit
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,10 +421,17 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             raise
+        from localchat.render import OutputClosed
+
+        if isinstance(exc, OutputClosed):
+            _quiet_stdout()
         print(f"localchat: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # a listing piped into `head`: what was read is what was wanted
+        _quiet_stdout()
+        return EXIT_OK
     except sqlite3.DatabaseError as exc:  # a chats database damaged in a way its open did not show
         if args.debug:
             raise

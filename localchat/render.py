@@ -6,6 +6,7 @@ import sys
 from typing import TextIO
 
 from localchat.documents import Document
+from localchat.errors import UserError
 from localchat.engine.events import Done, Error, Notice, Progress, Token
 
 
@@ -58,6 +59,12 @@ class ProgressBar:
             self.drawn = False
 
 
+class OutputClosed(UserError):
+    def __init__(self):
+        super().__init__("the output was closed before the answer ended (the reader of the pipe stopped), so the "
+                         "answer stopped there; a saved chat is left as it was")
+
+
 def stream_to(events, cancel, out: TextIO) -> Done | Error | None:
     """Draw prefill progress, write answer tokens to `out`; return the final Done or Error.
 
@@ -85,6 +92,11 @@ def stream_to(events, cancel, out: TextIO) -> Done | Error | None:
         cancel.set()
         for _ in events:
             pass
+    except BrokenPipeError:  # `| head`: the reader is gone; stop at the next token, keep nothing of the turn
+        cancel.set()
+        for _ in events:
+            pass
+        raise OutputClosed() from None
     finally:
         bar.clear()
     return None

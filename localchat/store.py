@@ -85,6 +85,24 @@ def _reason(exc: BaseException) -> str:
     return os.strerror(int(errno.group(1))) if errno else text[:200]
 
 
+NAME_MAX = 100  # characters in a chat's name
+
+
+def check_name(name: str) -> None:
+    """UserError unless `name` can name a chat: not empty, printable, at most NAME_MAX characters."""
+    if not name.strip():
+        raise UserError("the session name is empty; give one, e.g. --session notes")
+    if not name.isprintable():
+        raise UserError("the session name holds control characters; use letters, digits and punctuation")
+    if len(name) > NAME_MAX:
+        raise UserError(f"the session name is {len(name):,} characters long; use at most {NAME_MAX}")
+
+
+def shown(name: str, width: int = 60) -> str:
+    """`name` quoted for a message, cut to `width` characters."""
+    return repr(name if len(name) <= width else name[:width - 1] + "…")
+
+
 def damaged(path: Path, exc: Exception) -> UserError:
     """One line for a chats database SQLite cannot use (damaged, truncated, or another program's file)."""
     return UserError(f"{path} is damaged or not a localchat chats database ({exc}); move it aside (it may hold "
@@ -264,7 +282,7 @@ class Store:
         """The settings `name` was last answered with ({} for chats saved before schema 2)."""
         row = self.db.execute("SELECT settings FROM chats WHERE name = ?", (name,)).fetchone()
         if row is None:
-            raise UserError(f"no chat named {name!r}; `localchat sessions` lists them")
+            raise UserError(f"no chat named {shown(name)}; `localchat sessions` lists them")
         try:
             settings = json.loads(row[0])
         except (TypeError, ValueError):  # a damaged row: the chat stays listed, without its settings
@@ -277,7 +295,7 @@ class Store:
     def delete(self, name: str) -> None:
         row = self.db.execute("SELECT id, cache_file FROM chats WHERE name = ?", (name,)).fetchone()
         if row is None:
-            raise UserError(f"no chat named {name!r}; `localchat sessions` lists them")
+            raise UserError(f"no chat named {shown(name)}; `localchat sessions` lists them")
         self.db.execute("DELETE FROM chats WHERE id = ?", (row[0],))
         self._remove(row[1])
 
@@ -465,7 +483,7 @@ class Store:
         row = self.db.execute("SELECT id, system, cache_file, fed, updated FROM chats WHERE name = ?",
                               (name,)).fetchone()
         if row is None:
-            raise UserError(f"no chat named {name!r}; `localchat sessions` lists them")
+            raise UserError(f"no chat named {shown(name)}; `localchat sessions` lists them")
         chat_id, system, cache_file, fed, updated = row
         session = Session(engine, system=system, name=name)
         session.saved_at = updated

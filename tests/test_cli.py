@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 import sys
@@ -50,6 +51,9 @@ def test_model_flag_before_the_subcommand_is_kept(tiny_dir, capsys):
         (["profile", "tune", "--chunks", "abc"], "--chunks takes whole numbers"),
         (["ask", "--no-such-flag", "q"], "unrecognized arguments: --no-such-flag"),
         (["ask", "--session", "a\x1b[31mred", "q"], "session name holds control characters"),
+        (["ask", "--session", "n" * 10_000, "q"], "session name is 10,000 characters long; use at most 100"),
+        (["sessions", "--delete", "n" * 10_000], "no chat named 'nnnnnnnnnn"),
+        (["--model", "smollm2", "--chunk", "1000000000", "plan"], "chunk 1,000,000,000 does not fit"),
         (["--model", "", "ask", "q"], "--model is empty"),
         (["ask", "--model", " ", "q"], "--model is empty"),
     ],
@@ -110,3 +114,24 @@ def test_a_missing_default_wheel_file_is_one_line_naming_the_variable(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "LOCALCHAT_DEFAULT_WHEEL names" in err and "no-such.whl" in err
     assert "Errno" not in err and "Traceback" not in err
+
+
+def test_a_closed_output_stops_the_answer_in_one_line_and_keeps_the_chat(tiny_dir, tmp_path):
+    """`localchat ... | head -c1`: the reader goes away. An answer stops (exit 2, one line, the saved chat as it
+    was); a listing just ends (exit 0, nothing on stderr)."""
+    env = {**os.environ, "LOCALCHAT_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "localchat", "--model", tiny_dir, "--max-new-tokens", "50"]
+    assert subprocess.run([*base, "ask", "--session", "s", "first"], env=env, capture_output=True).returncode == 0
+
+    def closed(*argv):
+        proc = subprocess.Popen([*base, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()  # before it writes anything
+        return proc.wait(timeout=300), proc.stderr.read()
+
+    for argv in (["ask", "--session", "s", "second"], ["ask", "q"]):
+        code, err = closed(*argv)
+        assert code == 2 and err.count("\n") == 1 and "the output was closed before the answer ended" in err, err
+    code, err = closed("sessions")
+    assert code == 0 and err == ""
+    listing = subprocess.run([*base, "sessions"], env=env, capture_output=True, text=True).stdout
+    assert listing.splitlines()[1].split()[:2] == ["s", "first"] and listing.splitlines()[1].split()[4] == "1"

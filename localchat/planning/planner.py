@@ -227,7 +227,22 @@ def _label(weights: str, kv: str) -> str:
 
 def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", memory_source: str = "") -> Plan:
     """The plan for `memory` bytes, choosing the precision the request leaves open; UserError (saying what
-    would fit) when nothing does."""
+    would fit) when nothing does, naming the chunk when the chunk asked for is what does not fit."""
+    try:
+        return _make_plan(shape, memory, req, kind, memory_source)
+    except UserError as first:
+        if req.chunk is None or str(first).startswith("chunk "):  # no chunk asked for, or already named
+            raise
+        try:
+            other = _make_plan(shape, memory, replace(req, chunk=None), kind, memory_source)
+        except UserError:
+            raise first from None  # the chunk is not the problem: the first reason stands
+    raise UserError(f"chunk {req.chunk:,} does not fit {shape.name} in {memory / GIB:.1f} GiB (the memory and the "
+                    f"positions one step reads grow with the chunk); try --chunk {other.chunk:,}, or leave --chunk "
+                    f"out and the plan picks one")
+
+
+def _make_plan(shape: Shape, memory: int, req: Request, kind: str, memory_source: str) -> Plan:
     req = replace(req, kind=kind)
     pairs = precision_choices(req)
     if len(pairs) == 1:
@@ -241,6 +256,8 @@ def make_plan(shape: Shape, memory: int, req: Request, *, kind: str = "cpu", mem
         main = pairs
     if not plans:
         w, k = pairs[-1]
+        if req.budget is not None:  # the budget asked for is what does not fit: the smallest precision says why
+            _plan_at(shape, memory, req.at(w, k), memory_source=memory_source)
         e = _estimate(shape, req.at(w, k), 1, min(_chunk_order(req)), _margin(req))
         raise UserError(f"{shape.name} does not fit in {memory / GIB:.1f} GiB even with {_label(w, k)}: the weights "
                         f"alone take {e.weights / GIB:.1f} GiB (+ margin {e.margin / GIB:.1f} GiB); try a smaller model")
@@ -319,6 +336,11 @@ def _plan_at(shape: Shape, memory: int, req: Request, *, memory_source: str = ""
             best = largest_budget(budget)
             need = _estimate(shape, req, budget, smallest, margin).total
             if not _window_ok(shape, req, budget, smallest):
+                room = shape.window - _positions(req, smallest) - 1
+                if room < 1:
+                    raise UserError(f"chunk {smallest:,} does not fit {shape.name}'s window of {shape.window:,} "
+                                    f"positions, with any budget; try --chunk {shape.window // 4:,}, or leave --chunk "
+                                    f"out and the plan picks one")
                 raise UserError(f"budget {budget:,} + chunk {smallest:,} does not fit {shape.name}'s window of "
                                 f"{shape.window:,} positions; a budget up to "
                                 f"{shape.window - _positions(req, smallest) - 1:,} would")
