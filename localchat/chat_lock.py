@@ -24,7 +24,7 @@ from pathlib import Path
 
 from localchat.errors import UserError
 from localchat.filelock import poll_lock, try_lock
-from localchat.private_files import NOFOLLOW, open_private, room
+from localchat.store.private import NOFOLLOW, open_private, room
 
 WAIT_ENV = "LOCALCHAT_SESSION_WAIT"
 DEFAULT_WAIT = 600.0  # seconds: a turn over a long document on a CPU takes minutes

@@ -64,7 +64,7 @@ class Session:
         self.name = name
         self.saved_at: float | None = None  # when the store last saved (or loaded) it: a newer save elsewhere conflicts
         self.questions: list[str] = []  # the user's own words per user turn (for display and export)
-        self.kept_turns: list = []  # journal files a failed save of this session wrote (localchat/turn_journal.py)
+        self.kept_turns: list = []  # journal files a failed save of this session wrote (localchat/store/journal.py)
         self.last: Done | None = None
         self._state = _State()
         self._before_last: tuple[_State, KVCache | int | None] | None = None  # for retry / edit
@@ -167,6 +167,25 @@ class Session:
     def set_engine(self, engine) -> None:
         self.engine = engine
         self.mark_stale(f"the model is now {engine.name}")
+
+    @property
+    def stale(self) -> str | None:
+        """Why the cache no longer fits the conversation's settings (None when it does)."""
+        return self._stale
+
+    def restore(self, messages: list[dict], attachments: list[Attachment], questions: list[str]) -> None:
+        """Put a saved conversation back (the store's load), without a cache: the next turn reads it once."""
+        self._state = _State(messages=[dict(m) for m in messages], attachments=list(attachments))
+        self.questions = list(questions)
+        self._before_last = None
+
+    def saved_text(self) -> str:
+        """The conversation as the model has read it once the last answer is written: what a saved cache holds."""
+        return self.engine.render(self._with_system(self.messages[:-1])) + self.messages[-1]["content"]
+
+    def restore_cache(self, cache: KVCache, fed: int) -> None:
+        """Continue from `cache`, which holds `saved_text()` read over `fed` true positions."""
+        self._state.cache, self._state.text, self._state.fed = cache, self.saved_text(), fed
 
     def mark_stale(self, why: str) -> None:
         """The cache no longer fits the settings: the next turn re-reads the history once."""

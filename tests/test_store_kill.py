@@ -49,7 +49,8 @@ DRIVER = textwrap.dedent("""
             mark("many:" + sql.split()[2])
             return self.db.executemany(sql, rows)
 
-    real_save_file, real_replace, real_remove = st.save_file, os.replace, st.Store._remove
+    files = st.cache_files
+    real_save_file, real_replace, real_remove = files.save_file, os.replace, files.CacheFiles.remove
     def save_file(*args, **kw):
         mark("write")
         real_save_file(*args, **kw)
@@ -60,7 +61,7 @@ DRIVER = textwrap.dedent("""
     def remove(self, name):
         mark("remove-old")
         real_remove(self, name)
-    st.save_file, st.os.replace, st.Store._remove = save_file, replace, remove
+    files.save_file, os.replace, files.CacheFiles.remove = save_file, replace, remove
 
     tok = tiny_tokenizer()
     engine = Engine(tiny_llama(len(tok)), tok, name="tiny", chunk=32)
