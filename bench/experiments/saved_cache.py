@@ -1,5 +1,11 @@
-# The cache LOCRET holds after a document, before the prompt's tail (the last n_loc tokens) is read: made once per
-# document and saved, then loaded, so that every setting of question_read.py and focus_sweep.py reads the same units.
+"""The cache LOCRET holds after a document, before the prompt's tail (the last n_loc tokens) is read.
+
+Made once per document and saved under $SNAPS (default /tmp/qread), then loaded, so that every setting of
+`question_read.py` and `focus_sweep.py` reads the same units. A helper of those two, not an experiment.
+"""
+
+from __future__ import annotations
+
 import json
 import os
 import sys

@@ -1,4 +1,4 @@
-"""Are the pass key's tokens in the kept set when the model answers? (issue #40 item 4)
+"""Are the pass key's tokens in the kept set when the model answers? (bench/results/baselines-strength/)
 
 For each policy and example: build the bench cell's prompt and policy (as `localchat bench` does), answer,
 and count, per (layer, KV head), whether the cache holds the key's digit tokens (both occurrences in the
@@ -6,7 +6,10 @@ needle sentence) at the first decoded token and at the end. For SAGE-KV it also 
 per-query-head rule (§2.3): are the digits among each query head's own top-k of the last prompt token's
 logits, and did the KV head that serves it keep them?
 
-    PYTHONPATH=. python bench/results/baselines-strength/diagnose.py --policies sagekv,corm,roco --examples 3,9,15
+    python bench/experiments/baselines_diagnose.py --policies sagekv,corm,roco --examples 3,9,15
+
+`--corm-recency` is a what-if: CORM's cap ranks the keys by how recently they were last found important (then
+by the latest attention) instead of by votes.
 """
 
 from __future__ import annotations
@@ -148,8 +151,15 @@ def run(engine, policy_name: str, example: int, n: int, budget: int, length: int
                 print("   notice:", note, flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def corm_by_recency(self, layer, layer_idx):
+    """CORM's score, what-if: the 1-based index of the latest window row marking a unit, then its attention."""
+    m = self.aligned(layer_idx, layer)
+    order = torch.arange(1, m.rows.shape[1] + 1, device=m.rows.device, dtype=torch.float32)[None, :, None]
+    return (m.rows.float() * order).amax(dim=1) + layer.scores  # [H_kv, n]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Is the pass key in the kept set when the model answers?")
     ap.add_argument("--policies", default="sagekv,corm,roco")
     ap.add_argument("--examples", default="3,9,15")
     ap.add_argument("-n", type=int, default=20)
@@ -157,7 +167,12 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--set", action="append", default=[], help="FIELD=VALUE on the policy (what-if runs)")
-    args = ap.parse_args()
+    ap.add_argument("--corm-recency", action="store_true", help="what-if: CORM's cap ranks keys by recency")
+    args = ap.parse_args(argv)
+    if args.corm_recency:
+        from localchat.engine.policies.corm import CORM
+
+        CORM.score = corm_by_recency
     SETTINGS.update(kv.split("=", 1) for kv in args.set)
     torch.manual_seed(0)
     engine = load_engine(Cell("passkey", args.length, "full", None, args.n, 0, None, None, args.chunk, "original", 16))
