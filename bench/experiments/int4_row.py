@@ -2,7 +2,7 @@
 (bench/results/cpu-decode/int4_row.txt).
 
 The seven products of a SmolLM2 layer (q, k, v, o, gate, up, down), each over 30 packed copies so that the
-weights come from memory as in a real step. 2 threads.
+weights come from memory as in a real step. 2 threads. Needs an AVX-512 CPU: elsewhere the kernel is not built.
 
     python bench/experiments/int4_row.py
 """
@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description="int4_row against torch's int4 kernel on one row.").parse_args(argv)
     torch.set_num_threads(2)
     native = cpu_decode.kernels()
+    if not hasattr(native, "int4_row"):
+        raise SystemExit("int4_row is built only on an AVX-512 CPU; this one has none")
     theirs_total = ours_total = 0.0
     for rows, inputs in SHAPES:
         layers = [PackedLinear(nn.Linear(inputs, rows, bias=False), 4) for _ in range(30)]
