@@ -1,6 +1,6 @@
 """Every third-party module that localchat imports comes from a distribution that pyproject.toml names.
 
-A lent H200's image held huggingface_hub 1.x, which has no httpx2. localchat imported httpx2 by name but never
+One GPU machine's image held huggingface_hub 1.x, which has no httpx2. localchat imported httpx2 by name but never
 declared it (it came along with huggingface_hub 2.x on this machine). So LOCRET failed to load there, and a user
 with the other huggingface_hub version would have hit the same failure. Installs that resolve
 pyproject.toml's dependencies can only be trusted for what it names.

@@ -1,5 +1,5 @@
 """The GPU lanes' cell files (tools/gpu/cells/*.txt): every line is a `localchat bench` argument list that parses
-and names its cells, so a lent GPU's few minutes are not lost to a typo (tools/gpu/lanes.sh runs them there)."""
+and names its cells, so a short GPU run is not lost to a typo (tools/gpu/lanes.sh runs them there)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_every_line_is_a_bench_dry_run(path, tmp_path, capsys):
 
 
 def test_lanes_share_one_deadline(tmp_path):
-    """Every lane stops LIMIT_S seconds after lanes.sh starts: on session 10's H100 each lane took LIMIT_S from its
+    """Every lane stops LIMIT_S seconds after lanes.sh starts: on an H100 run each lane once took LIMIT_S from its
     own staggered start, and the device call ran past its limit with the rows still on the machine."""
     fake = tmp_path / "python"  # stands in for Python: the model check passes, each bench step hangs
     fake.write_text('#!/bin/sh\ncase "$*" in *" bench "*) echo started; exec sleep 60;; esac\nexit 0\n')

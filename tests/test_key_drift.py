@@ -1,4 +1,5 @@
-"""Compact positions over many evictions: keys must not drift in half precision (issue #40).
+"""Compact positions over many evictions: keys must not drift in half precision
+(bench/results/compact-positions-drift/).
 
 Synthetic keys arrive rotated at their insertion slot and rounded to the cache dtype, as the model's would;
 units get a score once, at insertion (as LOCRET's do), and each round keeps the top `BUDGET` of `BUDGET +

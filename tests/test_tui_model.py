@@ -1,4 +1,4 @@
-"""The issue's "done when" story on the real SmolLM2-135M-Instruct: paste a 20K-token file's path, ask for
+"""The chat window's main story on the real SmolLM2-135M-Instruct: paste a 20K-token file's path, ask for
 the pass key, see the progress bar and the streamed answer, then a follow-up that does not re-read."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.." || exit 1
 BIN=${BIN:-.venv/bin/localchat}
 OUT=${RESULTS:-bench/results/grid-smollm2-cpu}
 P=full,locret,random,streaming,h2o,snapkv,sirllm,sagekv,omnikv,roco,corm
-E=locret,random,streaming,h2o,snapkv,sirllm  # the heads issue's rows at original positions
+E=locret,random,streaming,h2o,snapkv,sirllm  # the heads' target rows at original positions
 T3=passkey,niah_single,niah_multikey
 STEPS=(
     "--tasks $T3,multiturn --lengths 7680 --policies $P --budgets 256,512,1024"                        # 4

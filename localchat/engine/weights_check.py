@@ -3,7 +3,7 @@
 The conversion records each weights file's sha256 and size in STAMP, with the file's identity (size, mtime,
 ctime, inode) when it was last hashed. A later start re-hashes a file only when that identity changed: hashing
 the default model's 538 MB took 0.5 to 1.6 s on a busy 2-core CPU, two to five times the 0.3 s from_pretrained
-takes to load it (measured for #41), while the stat check takes 0.14 ms. Any write to the file, truncation, replacement or copy changes its ctime or
+takes to load it, while the stat check takes 0.14 ms. Any write to the file, truncation, replacement or copy changes its ctime or
 inode (ctime cannot be set back by a user), so damage done through the file system is caught; bits that rot on
 the disk without a write are not. A directory converted before checksums were kept is hashed once and trusted
 from then on.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The scheduled benchmark grid (bench/results/grid-smollm2-cpu/README.md) on a lent GPU, in 10-minute calls.
+# The scheduled benchmark grid (bench/results/grid-smollm2-cpu/README.md) on a GPU machine, in 10-minute calls.
 #
 #   export PYTHONPATH=WHEELS_DIR           # our wheels (`pip install --target WHEELS_DIR`), as for tools/gpu/session.sh
 #   bash tools/gpu/grid.sh OUT_DIR         # then copy OUT_DIR/results.jsonl over $RESULTS/results.jsonl here
@@ -19,7 +19,7 @@ PY=${PY:-python3}
 LIMIT_S=${LIMIT_S:-500}
 DIR=${RESULTS:-bench/results/grid-smollm2-h100}
 P=full,locret,random,streaming,h2o,snapkv,sirllm,sagekv,omnikv,roco,corm
-E=locret,random,streaming,h2o,snapkv,sirllm  # the heads issue's rows at original positions
+E=locret,random,streaming,h2o,snapkv,sirllm  # the heads' target rows at original positions
 . tools/gpu/env.sh
 T0=$(date +%s)
 left() { echo $((LIMIT_S - ($(date +%s) - T0))); }

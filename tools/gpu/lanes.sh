@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Benchmark cells that the 2-core CPU would need days for, on a lent GPU, in several lanes.
+# Benchmark cells that the 2-core CPU would need days for, on a GPU machine, in several lanes.
 #
 #   export PYTHONPATH=WHEELS_DIR LOCALCHAT_CACHE_DIR=DIR   # our wheels; the default GGUF in DIR (tools/gpu/session.sh)
 #   LANES=12 LIMIT_S=540 bash tools/gpu/lanes.sh CELLS RESULTS_DIR   # defaults: LANES 8, LIMIT_S 1500, PY python3
 #
 # CELLS: a file of `localchat bench` argument lists, one per line (`#` comments), run in order by every lane:
-#   tools/gpu/cells/heads.txt   the heads issue's (#4) cells (run: bench/results/grid-smollm2-h100-fp32)
-#   tools/gpu/cells/long.txt    issue #40's 64K/128K cells
+#   tools/gpu/cells/heads.txt   the retaining heads' grid cells (run: bench/results/grid-smollm2-h100-fp32)
+#   tools/gpu/cells/long.txt    the 64K/128K cells
 # Rows use `--weights $WEIGHTS` (default fp32, the dtype of the CPU grid's rows) unless a line names its own;
 # the weights are part of each row's key, so GPU and CPU rows never mix by accident.
 # A 135M model keeps a GPU busy for a few percent of each step, so LANES processes (one torch thread each)

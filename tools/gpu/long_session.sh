@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #40's long cells on a lent GPU in one `device` call, once the GGUF's first part is stashed there
+# The 64K/128K cells on a GPU machine in one `device` call, once the GGUF's first part is stashed there
 # (tools/gpu/model_parts.sh; the call carries .whl and the last part):
 #
 #   DEADLINE_S=570 LANES=14 bash tools/gpu/long_session.sh [CELLS] [RESULTS_DIR]

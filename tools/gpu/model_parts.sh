@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The default model's GGUF (98 MB) to a lent GPU machine in parts: one `device` call carries at most 64 MiB, and the
+# The default model's GGUF (98 MB) to a GPU machine in parts: one `device` call carries at most 64 MiB, and the
 # repo's tracked tree is ~44 MiB of it (less with the big results files moved out for those calls).
 #
 #   bash tools/gpu/model_parts.sh split [MIB]   # here: .gpu-model/K/part-NN, one part of MIB (default 20) per folder

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #38 on a lent GPU: the planner at real scale with random-weight models built from real configs (speed and
+# The planner at real scale on a GPU machine, with random-weight models built from real configs (speed and
 # memory only: the answers are noise, and every figure says so). From the repo root, everything under OUT:
 #
 #   export PYTHONPATH=WHEELS_DIR         # where `pip install --target WHEELS_DIR` put our wheels

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session for localchat (issue #9 rows on CUDA, LOCRET vs full speed, the planner's CUDA check, the
+# One GPU run for localchat (the quantization rows on CUDA, LOCRET vs full speed, the planner's CUDA check, the
 # quantization / planner model tests), from the repo root, everything written under OUT:
 #
 #   export PYTHONPATH=WHEELS_DIR         # where `pip install --target WHEELS_DIR` put our wheels
@@ -166,7 +166,7 @@ if want 1; then
     done
 fi
 
-# --- step 2: issue #9 rows on CUDA (~120 s at 4K+8K with N=6; ~90 s at 32K with N32=2) -----------------------
+# --- step 2: the quantization rows on CUDA (~120 s at 4K+8K with N=6; ~90 s at 32K with N32=2) -----------------------
 # --in-process: one model load per invocation instead of one fresh process per cell (~10-15 s each, 8 cells
 # per weight); on CUDA the peak is torch.cuda.max_memory_allocated per example either way. One invocation
 # per weight so that only one model is resident (in-process keeps every engine it loaded, and a CUDA peak

@@ -2,7 +2,7 @@
 
 LOCRET scores each unit once, from its own pre-RoPE Q, K and V, so a token that recurs through a long document
 scores about the same every time. On a 128K-token document, several thousand near-equal copies then fill a
-head's budget (bench/results/grid-smollm2-cpu-long/README.md, session 8: ~1,800 of 2,048 units in each layer-10
+head's budget (bench/results/grid-smollm2-cpu-long/README.md: ~1,800 of 2,048 units in each layer-10
 head were one filler word, and SmolLM2-135M lost the pass key). `cap_copies` ranks every unit past the `cap`
 best-scored copies of its token id in a head below all others, so those go first; protected units keep their
 rank and count toward the cap.

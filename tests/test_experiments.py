@@ -1,0 +1,75 @@
+"""Every script in bench/experiments/ still imports against the package and parses its command line, and the
+package internals they reach by attribute still exist, so a refactor cannot break them silently. In process:
+the scripts share torch's import, which a subprocess per script would pay again."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "bench" / "experiments"
+SCRIPTS = sorted(EXPERIMENTS.glob("*.py"))
+HELPERS = {"saved_cache"}  # imported by other scripts; no command line of its own
+
+# Internals the scripts patch or read by attribute (an import alone would not notice them gone).
+ATTRIBUTES = [
+    ("localchat.engine.decode_step", "_layer_plan"),
+    ("localchat.engine.decode_step", "DecodeStep.step"),
+    ("localchat.kernels.cpu_decode", "kernels"),
+    ("localchat.engine.cache", "KVLayer._publish"),
+    ("localchat.engine.cache", "KVCache.set_pending_positions"),
+    ("localchat.engine.policies.locret", "Locret.priority"),
+    ("localchat.engine.policies.corm", "CORM.aligned"),
+    ("localchat.engine.policies.sagekv", "SageKV.prefill_done"),
+    ("localchat.bench.perf", "_prompt"),
+    ("localchat.bench.perf", "_run"),
+]
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"experiments_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_there_are_experiments_and_no_scripts_left_in_results() -> None:
+    assert len(SCRIPTS) > 10
+    results = EXPERIMENTS.parent / "results"
+    assert not [p for p in results.rglob("*") if p.suffix in (".py", ".sh")]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.stem)
+def test_script_imports_and_prints_its_help(path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    threads = torch.get_num_threads()
+    module = load(path)
+    if path.stem in HELPERS:
+        assert not hasattr(module, "main")
+        return
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
+    assert torch.get_num_threads() == threads  # settings change in main(), never on import
+
+
+def test_saved_cache_paths(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.setenv("SNAPS", str(tmp_path / "snaps"))
+    saved = load(EXPERIMENTS / "saved_cache.py")
+    assert saved.snap_path("passkey", 4096, 3, 1024, 64) == f"{tmp_path}/snaps/passkey-4096-3-b1024-c64.pt"
+    assert (tmp_path / "snaps").is_dir()
+
+
+@pytest.mark.parametrize("module, name", ATTRIBUTES, ids=lambda x: str(x))
+def test_internals_the_experiments_reach_exist(module: str, name: str) -> None:
+    target = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    assert target is not None
+
