@@ -1,5 +1,5 @@
-"""The grid's evidence subcommands on small results files: `bench targets --fill`, `bench cross-check`,
-`bench side-by-side` and `bench plot-training` (localchat/bench/targets.py, crosscheck.py, side_by_side.py,
+"""The grid's evidence subcommands on small results files: `grid_targets.py --fill` (bench/experiments/), `bench cross-check`,
+`bench side-by-side` and `bench plot-training` (crosscheck.py, side_by_side.py,
 training_plot.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from localchat.bench import crosscheck, side_by_side, targets, training_plot
+from localchat.bench import crosscheck, side_by_side, training_plot
+from test_experiments import EXPERIMENTS, load
+
+targets = load(EXPERIMENTS / "grid_targets.py")
 from localchat.errors import UserError
 
 
@@ -44,7 +47,8 @@ def test_fill_takes_fp32_rows_only_for_cells_short_of_n(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"--fill {gpu}" in text and "| passkey 32,768 b=1024 compact | 0.95 | 0.90 | met |" in text
     assert out.read_text() + "\n" == text  # --out holds what was printed
-    assert text.startswith(f"# The heads issue's targets on `{cpu}`") and f"`localchat bench targets {cpu} " in text
+    assert text.startswith(f"# LOCRET's accuracy targets on `{cpu}`")
+    assert f"`python bench/experiments/grid_targets.py {cpu} " in text
 
 
 def test_cross_check_pairs_cpu_rows_with_fp32_gpu_rows(tmp_path, capsys):
@@ -106,8 +110,9 @@ def test_the_subcommands_run_from_the_cli(tmp_path, capsys):
 
     grid = _write(tmp_path / "grid", [_row("locret", True, i, output="1") for i in range(targets.N)])
     out = tmp_path / "targets.md"
-    assert main(["bench", "targets", str(grid), "--out", str(out)]) == 0
+    assert targets.main([str(grid), "--out", str(out)]) == 0  # the script's own command line
     assert "| passkey 32,768 b=1024 compact | 1.00 | 0.90 | met |" in out.read_text()
+    capsys.readouterr()
     assert main(["bench", "cross-check", str(grid), str(grid)]) == 0
     assert f"| all | | | | | | {targets.N} | {targets.N} |" in capsys.readouterr().out
     assert main(["bench", "side-by-side", str(tmp_path)]) == 2  # no results.jsonl: one line, exit 2

@@ -20,7 +20,6 @@ USAGE = """examples:
   localchat bench perf --out DIR --heads random
   localchat bench decode --out DIR --weights fp32,int8,int4 --repeat 3
   localchat bench kernels --out DIR
-  localchat bench targets DIR [--fill DIR] [--out FILE.md]
   localchat bench cross-check DIR_A DIR_B [--out FILE.md]
   localchat bench side-by-side DIR
   localchat bench by-length --out DIR SRC_DIR [SRC_DIR ...] [--budget 1024]
@@ -28,7 +27,7 @@ USAGE = """examples:
   localchat bench random-model tests/data/configs/llama-3.1-8b-instruct.json DIR [--layers 2]"""
 
 
-EVIDENCE = {"targets": "targets", "cross-check": "crosscheck", "side-by-side": "side_by_side", "by-length": "by_length",
+EVIDENCE = {"cross-check": "crosscheck", "side-by-side": "side_by_side", "by-length": "by_length",
             "plot-training": "training_plot", "random-model": "random_model"}  # subcommand -> module with main(args)
 
 
@@ -81,7 +80,7 @@ def add_parser(subparsers) -> None:
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
     sub = bench.add_subparsers(dest="bench_command",
-                                metavar="{report,perf,decode,kernels,targets,cross-check,side-by-side,by-length,plot-training,random-model}")
+                                metavar="{report,perf,decode,kernels,cross-check,side-by-side,by-length,plot-training,random-model}")
     report = sub.add_parser("report", help="DIR/results.jsonl -> DIR/report.md and PNG plots")
     report.add_argument("dir", help="a bench --out directory")
     perf = sub.add_parser("perf", help="LOCRET vs full speed side by side; time per token vs length")
@@ -119,10 +118,6 @@ def add_parser(subparsers) -> None:
     kern.add_argument("--micro-only", action="store_true", help="only the kernels on random inputs (no model)")
     kern.add_argument("--units", default="1024,4096,16384", help="cache lengths of the decode-attention rows")
     _engine_flags(kern)
-    targets = sub.add_parser("targets", help="the heads issue's targets on DIR/results.jsonl: met, not met, waiting")
-    targets.add_argument("dir", help="a bench --out directory")
-    targets.add_argument("--fill", help="results dir whose --weights fp32 rows fill cells short of N=20 in DIR")
-    targets.add_argument("--out", help="also write the table to this file (e.g. DIR/targets.md)")
     check = sub.add_parser("cross-check", help="two results dirs' fp32 rows on the same examples: same answers?")
     check.add_argument("a", help="a bench --out directory (A)")
     check.add_argument("b", help="another bench --out directory (B)")

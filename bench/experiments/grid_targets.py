@@ -1,8 +1,9 @@
-"""`localchat bench targets DIR [--fill DIR] [--out FILE]`: the heads issue's targets on a results file.
+"""`python bench/experiments/grid_targets.py DIR [--fill DIR] [--out FILE]`: LOCRET's accuracy targets on a
+results file of the grid (bench/results/grid-smollm2-cpu/).
 
 Each target is met, not met, or waiting for cells. Rows are counted only for the default heads (LOCRET rows
 without `heads`), `--heads random` (shown as `random heads`) and the other policies at their own settings. A
-cell with fewer than N=20 rows is "waiting". Targets (the issue's words): at 7.5K (7,680 tokens), LOCRET >= 95 %
+cell with fewer than N=20 rows is "waiting". Targets: at 7.5K (7,680 tokens), LOCRET >= 95 %
 of full attention's accuracy at b=1024 and >= 90 % at b=512 on each task; at every budget and task, LOCRET above
 random heads and above StreamingLLM; on average over tasks, above every other policy; at 32K compact b=1024,
 passkey >= 90 % and niah_single within 10 points of full attention at 4K.
@@ -122,8 +123,8 @@ def render(directory: Path, fill_from: Path | None = None) -> str:
         cells = fill(cells, load(fill_from, weights="fp32"))
     lines = checks(cells)
     count = {v: sum(line.endswith(f"| {v} |") for line in lines) for v in ("met", "**not met**", "waiting")}
-    command = f"localchat bench targets {directory}" + (f" --fill {fill_from}" if fill_from else "")
-    head = [f"# The heads issue's targets on `{directory}` (N = {N} per cell)", "",
+    command = f"python bench/experiments/grid_targets.py {directory}" + (f" --fill {fill_from}" if fill_from else "")
+    head = [f"# LOCRET's accuracy targets on `{directory}` (N = {N} per cell)", "",
             f"`{command}`: met {count['met']}, not met {count['**not met**']}, "
             f"waiting for cells {count['waiting']}.", ""]
     if fill_from:
@@ -133,8 +134,20 @@ def render(directory: Path, fill_from: Path | None = None) -> str:
     return "\n".join(head + lines) + "\n"
 
 
-def main(args) -> int:
-    """`localchat bench targets`: print the table (and write it to --out)."""
+def main(argv=None) -> int:
+    """Print the table (and write it to --out)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="LOCRET's accuracy targets on DIR/results.jsonl: met, not met, "
+                                                 "waiting")
+    parser.add_argument("dir", help="a bench --out directory")
+    parser.add_argument("--fill", help="results dir whose --weights fp32 rows fill cells short of N=20 in DIR")
+    parser.add_argument("--out", help="also write the table to this file (e.g. DIR/targets.md)")
+    args = argv if isinstance(argv, argparse.Namespace) else parser.parse_args(argv)
     directory, fill_from = Path(args.dir), Path(args.fill) if args.fill else None
     require_results(directory, fill_from)
     return publish(render(directory, fill_from), args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
