@@ -230,9 +230,9 @@ def _open_store():
 
 
 def _ask_with_lock(args, docs) -> int:
-    """`ask --session S`: holds the lock of chat S from loading it to saving it (localchat/chat_lock.py), so a
+    """`ask --session S`: holds the lock of chat S from loading it to saving it (localchat/store/chat_lock.py), so a
     second `ask` on S waits and then continues from what this one saved."""
-    from localchat.chat_lock import WINDOW, wait_limit
+    from localchat.store.chat_lock import WINDOW, wait_limit
     from localchat.planning.resolve import changed_settings, saved_flags
 
     wait = wait_limit()

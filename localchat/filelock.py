@@ -2,7 +2,7 @@
 
 The kernel drops the lock when its process ends, so a killed holder leaves nothing to clean up. Used by the
 bench lanes (one results file, several processes), by the one-time model conversion (several processes
-starting on a fresh cache at once) and by the per-chat locks (localchat/chat_lock.py).
+starting on a fresh cache at once) and by the per-chat locks (localchat/store/chat_lock.py).
 """
 
 from __future__ import annotations

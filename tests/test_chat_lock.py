@@ -1,4 +1,4 @@
-"""One writer per saved chat (localchat/chat_lock.py): concurrent `ask --session S` processes keep every turn, in the
+"""One writer per saved chat (localchat/store/chat_lock.py): concurrent `ask --session S` processes keep every turn, in the
 order they got the chat's lock; the chat window's hold on a chat is refused at once; a wait that runs out is one
 line; `sessions --delete` does not delete a chat in use."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from localchat.chat_lock import WAIT_ENV, WINDOW, ChatLock, wait_limit
+from localchat.store.chat_lock import WAIT_ENV, WINDOW, ChatLock, wait_limit
 from localchat.cli import main
 from localchat.errors import UserError
 from tiny import save_tiny

@@ -9,7 +9,7 @@
 Every save is atomic: the cache file is written under a new name, then one transaction points the chat at it,
 then the old file is removed, so a process killed at any moment leaves the previous state (or the new one)
 readable, never a mix; what such a kill leaves behind is collected later. Nothing in the data directory is
-reached through a link (private.py), and one writer at a time holds a chat (localchat/chat_lock.py).
+reached through a link (private.py), and one writer at a time holds a chat (localchat/store/chat_lock.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from localchat.chat_lock import ChatLock
+from localchat.store.chat_lock import ChatLock
 from localchat.errors import UserError
 from localchat.paths import collect_partial, data_dir
 from localchat.session import Session
@@ -101,7 +101,7 @@ class Store:
             raise UserError(f"cannot write to {self.cache_dir}; point LOCALCHAT_DATA_DIR at a writable folder")
 
     def chat_lock(self, name: str, who: str = "ask") -> ChatLock:
-        """The lock that keeps one writer at a time on chat `name` (localchat/chat_lock.py)."""
+        """The lock that keeps one writer at a time on chat `name` (localchat/store/chat_lock.py)."""
         return ChatLock(name, self.path.parent / "locks", who)
 
     # --- chats -----------------------------------------------------------------------------------

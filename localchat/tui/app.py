@@ -26,7 +26,7 @@ class LocalChatApp(App):
         self.engine = None
         self.session = None
         self.chat_name: str | None = None
-        self.chat_lock = None  # the lock of the saved chat shown (localchat/chat_lock.py): no `ask` writes into it
+        self.chat_lock = None  # the lock of the saved chat shown (localchat/store/chat_lock.py): no `ask` writes into it
         self.loader = loader
         self.spec = spec  # the run's settings (localchat/config.py); the loaded engine's own once it loads
         self.settings = settings or (spec.generation if spec is not None else GenerationSettings())

@@ -40,5 +40,5 @@ class ChatOpened(Message):
                  lock=None, spec=None) -> None:
         super().__init__()
         self.session, self.name, self.notices, self.error = session, name, list(notices), error
-        self.lock = lock  # the chat's lock (localchat/chat_lock.py), held while the window shows it
+        self.lock = lock  # the chat's lock (localchat/store/chat_lock.py), held while the window shows it
         self.spec = spec  # the chat's own settings, now the window's (None: the window's stay)

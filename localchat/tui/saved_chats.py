@@ -6,7 +6,7 @@ from contextlib import closing
 
 from textual.widgets import OptionList
 
-from localchat.chat_lock import WINDOW
+from localchat.store.chat_lock import WINDOW
 from localchat.planning.resolve import saved_flags
 from localchat.tui.events import ChatOpened, ChatSaved
 from localchat.tui.text import one_line
