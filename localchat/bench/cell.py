@@ -104,7 +104,8 @@ def use_policy(engine, cell: Cell) -> None:
     where the model card sets a cap, so that a row's `max_copies` says what ran; so do --focus (none: the paper's
     read) and, with it, --focus-window and --focus-spread (none: LOCRET's defaults, not a card's)."""
     from localchat.engine.policies import policy_class
-    from localchat.planning.load import policy_for
+    from localchat.planning.load import use_policy
+    from localchat.planning.resolve import policy_spec
 
     cls = policy_class(cell.policy)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
@@ -112,10 +113,11 @@ def use_policy(engine, cell: Cell) -> None:
              "focus_spread": defaults.get("focus_spread")}
     given = {name: getattr(cell, name) for name in paper}
     options = {name: paper[name] if value is None and name in cls.options else value for name, value in given.items()}
-    engine.kv = cell.kv or "none"  # the cache type is chosen per cache (Engine.new_cache)
-    engine.set_policy(policy_for(engine, cell.policy, budget=cell.budget, heads=cell.heads,
-                                 sparse_prefill=cell.sparse_prefill, **options),
-                     cell.positions)
+    flags = {"budget": cell.budget, "heads": cell.heads, "sparse_prefill": cell.sparse_prefill,
+             "positions": cell.positions, **options}
+    spec, _ = policy_spec(cell.policy, {k: v for k, v in flags.items() if v is not None}, {}, engine.card,
+                          engine.device.type)
+    use_policy(engine, spec, kv=cell.kv or "none")  # the cache type is chosen per cache (Engine.new_cache)
 
 
 def run_cell(cell: Cell, examples: list[int], out: Path, *, engine=None, memory: str = "subprocess",

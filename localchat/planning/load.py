@@ -18,17 +18,15 @@ from localchat.planning.planner import DEFAULT_MARGIN
 from localchat.planning.resolve import Target, card_for, check_architecture, check_heads, fixed_fields, heads_dir_for, plan_spec
 
 
-def load_heads(engine: Engine, spec: PolicySpec) -> RetainingHeads:
+def heads_source(spec: PolicySpec, card, name: str) -> Path | str | None:
+    """Where the policy's retaining heads come from, checked once (before a multi-minute load): "random", a
+    directory (an official release is fetched into the user cache the first time), or None for a policy without
+    heads. One line when there are none."""
+    if "heads" not in policy_class(spec.name).fields():
+        return None
     if spec.heads == "random":
-        return RetainingHeads.random(engine.model)
-    check_heads(spec, engine.card, engine.name)
-    heads = RetainingHeads.load(ensure_heads(spec, engine.card))
-    heads.check_fits(engine.model)
-    return heads
-
-
-def ensure_heads(spec: PolicySpec, card) -> Path:
-    """The heads directory, fetched from the card's official release the first time it is needed."""
+        return "random"
+    check_heads(spec, card, name)
     directory = heads_dir_for(spec, card)
     if directory is None:
         from localchat.planning.heads_fetch import fetch_heads
@@ -37,20 +35,37 @@ def ensure_heads(spec: PolicySpec, card) -> Path:
     return directory
 
 
-def build_policy(engine: Engine, spec: PolicySpec) -> Policy:
-    """The policy `spec` names, for `engine` (LOCRET's heads loaded: shipped, a directory, or random)."""
+def build_policy(engine: Engine, spec: PolicySpec, heads: Path | str | None = None) -> Policy:
+    """The policy `spec` names, for `engine`, with its retaining heads from `heads` (heads_source: found here
+    when not given)."""
     settings = spec.settings()
     settings.pop("heads", None)
     if "heads" in policy_class(spec.name).fields():
-        settings["heads"] = load_heads(engine, spec)
+        where = heads if heads is not None else heads_source(spec, engine.card, engine.name)
+        if where == "random":
+            settings["heads"] = RetainingHeads.random(engine.model)
+        else:
+            settings["heads"] = RetainingHeads.load(where)
+            settings["heads"].check_fits(engine.model)
     return make_policy(spec.name, **settings)
 
 
-def use_spec(engine: Engine, spec: RunSpec) -> None:
+def use_policy(engine: Engine, spec: PolicySpec, *, kv: str | None = None, chunk: int | None = None,
+               heads: Path | str | None = None, session=None) -> None:
+    """Set `engine` to the policy `spec` (and the cache type and chunk, when given): the one place the app, the
+    chat window and the bench change what an engine runs. `session`: a chat over the engine, told its cache no
+    longer fits (its next turn reads the conversation again)."""
+    policy = build_policy(engine, spec, heads)
+    (session.set_policy if session is not None else engine.set_policy)(policy, spec.positions)
+    if kv is not None:
+        engine.kv = kv
+    if chunk is not None:
+        engine.chunk = chunk
+
+
+def use_spec(engine: Engine, spec: RunSpec, heads: Path | str | None = None, session=None) -> None:
     """Set `engine` to `spec`'s policy, positions, chunk and cache type (the model stays)."""
-    engine.set_policy(build_policy(engine, spec.policy), spec.policy.positions)
-    engine.chunk = spec.chunk
-    engine.kv = spec.kv
+    use_policy(engine, spec.policy, kv=spec.kv, chunk=spec.chunk, heads=heads, session=session)
     engine.spec = spec
 
 
@@ -59,15 +74,12 @@ def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
     unknown before loading), plan now with the loaded model's exact size; `engine.spec` is what runs."""
     check_architecture(spec.model)
     card = card_for(spec.model)
-    check_heads(spec.policy, card, card.name if card else str(spec.model))  # before a multi-minute load
-    if spec.policy.heads is None and "heads" in policy_class(spec.policy.name).fields():
-        ensure_heads(spec.policy, card)  # an official release's heads, fetched once (or a one-line error offline)
-    engine = Engine.load(spec.model, chunk=spec.chunk, positions=spec.policy.positions, weights=spec.weights,
-                         kv=spec.kv, say=say, before_weights=before_weights)
+    heads = heads_source(spec.policy, card, card.name if card else str(spec.model))  # before a multi-minute load
+    engine = Engine.load(spec.model, weights=spec.weights, say=say, before_weights=before_weights)
     engine.admit = admit
     if spec.plan is None and policy_class(spec.policy.name).bounded():
         spec = plan_loaded(engine, spec)
-    use_spec(engine, spec)
+    use_spec(engine, spec, heads)
     return engine
 
 

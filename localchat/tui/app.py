@@ -93,12 +93,10 @@ class LocalChatApp(App):
         self._use_spec(with_policy(self.spec, self.engine.card, self.engine.device.type, name, budget=budget))
 
     def _use_spec(self, spec: RunSpec) -> None:
-        from localchat.planning.load import build_policy
+        from localchat.planning.load import use_spec
 
-        policy = build_policy(self.engine, spec.policy)
-        self.session.set_policy(policy, spec.policy.positions)
-        self.engine.chunk = spec.chunk
-        self.engine.spec = self.spec = spec
+        use_spec(self.engine, spec, session=self.session)
+        self.spec = spec
 
     def spec_for_chat(self, saved: dict) -> RunSpec | None:
         """The window's settings with a saved chat's own (policy, budget, n_s, positions, chunk, heads), or None
