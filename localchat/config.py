@@ -10,9 +10,13 @@ saved chat records it. Change a setting with `dataclasses.replace`, never in pla
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from localchat.engine.cards import DEFAULT_CHUNK
 from localchat.engine.sampling import GenerationSettings
+
+if TYPE_CHECKING:
+    from localchat.planning.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class RunSpec:
 
     policy: PolicySpec
     model: str | None = None  # None: the embedded default model
-    chunk: int = 512
+    chunk: int = DEFAULT_CHUNK
     weights: str | None = None  # None: the device's dtype (fp32 on a CPU, bf16 on a GPU)
     kv: str = "none"  # retained cache: none | int8 | int4 | int2
     margin_mib: int | None = None
@@ -58,7 +62,7 @@ class RunSpec:
     profile: str | None = None  # the device profile in force
     asked: tuple[tuple[str, Any], ...] = ()  # the policy settings the user gave (flag key, value), for /policy X
     sources: dict[str, str] = field(default_factory=dict, compare=False)
-    plan: Any = field(default=None, compare=False, repr=False)
+    plan: Plan | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON): what `plan --json` prints and a saved chat records."""

@@ -208,6 +208,31 @@ def test_max_copies_from_a_profile_or_the_environment_reaches_locret(config, cap
     assert "profiles.neg.max_copies: must be >= 0 (got -1)" in capsys.readouterr().err
 
 
+def test_every_policys_options_can_be_set_in_a_profile(config, capsys):
+    """The profile keys come from Policy.options: OmniKV's --offload and --sparse-prefill too, under the flag's name,
+    checked by kind and by the policy, and a switch not given on the command line leaves the profile's value."""
+    from localchat.engine.policies import POLICIES
+    from localchat.planning import profiles
+    from localchat.planning.resolve import resolve
+
+    keys = {o.key for cls in POLICIES.values() for o in cls.options.values()}
+    assert keys <= set(profiles.SETTINGS) and {"offload", "sparse_prefill", "stabilizers"} <= keys
+    config('[profiles.omni]\npolicy = "omnikv"\nsparse_prefill = 2.0\noffload = true\n'
+           '[profiles.badkind]\npolicy = "omnikv"\noffload = "yes"\n'
+           '[profiles.badvalue]\npolicy = "omnikv"\nsparse_prefill = -1.0\n')
+    gpu = Device("cuda", "NVIDIA GeForce RTX 4090", 24 * GIB, 23 * GIB, "8.9")  # --offload is for a GPU
+    spec = resolve({"profile": "omni", "offload": False}, env={}, plan=False, quiet=True, device=gpu)
+    params = dict(spec.policy.params)
+    assert spec.policy.name == "omnikv" and params["prefill_ratio"] == 2.0 and params["offload"] is True
+    assert spec.sources["asked.sparse_prefill"] == "profile omni (config.toml)"
+    spec = resolve({"profile": "omni"}, env={"LOCALCHAT_SPARSE_PREFILL": "3"}, plan=False, quiet=True, device=gpu)
+    assert dict(spec.policy.params)["prefill_ratio"] == 3.0
+    assert main(["profile", "validate"]) == 2
+    err = capsys.readouterr().err
+    assert "profiles.badkind.offload: must be true or false (got 'yes')" in err
+    assert "profiles.badvalue.sparse_prefill: must be >= 0 (got -1.0)" in err
+
+
 def test_profile_validate_exit_codes(config, capsys):
     assert main(["profile", "validate"]) == 0
     config("[profiles.a]\nbudget = 0\n")

@@ -146,10 +146,10 @@ def _ships_heads(model: str | None) -> bool:
 def default_chunk(model: str | None) -> int:
     """The chunk the engine will use for `model` (its card's, else the engine default)."""
     from localchat.engine.cards import default_card, find_card
-    from localchat.engine.engine import DEFAULT_CHUNK
+    from localchat.engine.cards import card_chunk
 
     card = default_card() if model is None else find_card(model)
-    return int((card.locret.get("chunk") if card else 0) or DEFAULT_CHUNK)
+    return card_chunk(card)
 
 
 def plan(config: BenchConfig) -> list[Cell]:

@@ -15,7 +15,7 @@ import torch
 from localchat.engine import focus as focus_mod
 from localchat.engine import loading
 from localchat.engine.cache import POSITION_MODES, KVCache
-from localchat.engine.cards import ModelCard
+from localchat.engine.cards import ModelCard, card_chunk
 from localchat.engine.decode_step import DecodeStep, supported as lean_supported
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
@@ -28,7 +28,6 @@ from localchat.engine.sampling import GenerationSettings, pick_token
 from localchat.errors import UserError
 from localchat.kernels import cpu_decode
 
-DEFAULT_CHUNK = 512
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
 
 
@@ -48,7 +47,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name
         self.card = card
-        self.chunk = chunk or int((card.locret.get("chunk") if card else 0) or DEFAULT_CHUNK)
+        self.chunk = chunk or card_chunk(card)
         self.set_policy(policy or make_policy(PLAIN_POLICY), positions)
         self.device = next(model.parameters()).device
         self.window = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None

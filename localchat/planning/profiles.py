@@ -30,6 +30,15 @@ def _policies() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
+def policy_options() -> dict[str, tuple[str, Any]]:
+    """Each policy's own settings (Policy.options) as a profile names them: key -> (kind, lower bound). The policy
+    checks the values further (LOCRET: n_s below the budget)."""
+    from localchat.engine.policies import POLICIES
+
+    kinds = {int: ("int", 0), float: ("float", 0.0), bool: ("bool", None)}
+    return {o.key: kinds[o.type] for cls in POLICIES.values() for o in cls.options.values()}
+
+
 # Settings a profile may hold: key -> (kind, lower bound or choices). These reach the engine.
 SETTINGS: dict[str, tuple[str, Any]] = {
     "model": ("str", None),
@@ -37,12 +46,8 @@ SETTINGS: dict[str, tuple[str, Any]] = {
     "positions": ("choice", POSITIONS),
     "budget": ("int", 1),
     "chunk": ("int", 1),
-    "stabilizers": ("int", 0),
     "local": ("int", 0),
-    "max_copies": ("int", 0),  # LOCRET's --max-copies (0: the paper's rule)
-    "focus": ("int", 0),  # LOCRET's --focus (0: the paper's rule)
-    "focus_window": ("int", 1),  # LOCRET's --focus-window
-    "focus_spread": ("int", 0),  # LOCRET's --focus-spread
+    **policy_options(),  # LOCRET's --stabilizers, --max-copies, --focus ...; OmniKV's --offload, --sparse-prefill
     "weights": ("choice", WEIGHT_DTYPES),
     "kv": ("choice", KV_DTYPES),
     "margin_mib": ("int", 0),
@@ -90,9 +95,11 @@ def check_value(key: str, value: Any, spec: tuple[str, Any]) -> str | None:
             return f"must be below {2**31:,} (got {value})"
         return None if value >= arg else f"must be >= {arg} (got {value})"
     if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             return f"must be a number (got {value!r})"
-        return None if value >= arg else f"must be positive (got {value})"
+        return None if value >= arg else f"must be {'positive' if arg else '>= 0'} (got {value})"
+    if kind == "bool":
+        return None if isinstance(value, bool) else f"must be true or false (got {value!r})"
     if kind == "choice":
         choices = arg() if callable(arg) else arg
         return None if value in choices else f"must be one of {', '.join(choices)} (got {value!r})"
@@ -123,13 +130,16 @@ def _policy_problem(table: dict) -> str | None:
     """What the profile's policy (or, without one, the policy whose options it sets) says of its settings."""
     from localchat.engine.policies import POLICIES, make_policy
 
+    def fields(cls) -> dict[str, str]:  # profile key -> the policy's field
+        return {o.key: f for f, o in cls.options.items()}
+
     keys = {k: v for k, v in table.items() if k in ("budget", "local")}
-    own = {k: v for k, v in table.items() if any(k in c.options for c in POLICIES.values())}
-    name = table.get("policy") or next((n for n, c in POLICIES.items() if own and set(own) <= set(c.options)), None)
-    if name is None or (own and not set(own) <= set(POLICIES[name].options)):
+    own = {k: v for k, v in table.items() if any(k in fields(c) for c in POLICIES.values())}
+    name = table.get("policy") or next((n for n, c in POLICIES.items() if own and set(own) <= set(fields(c))), None)
+    if name is None or (own and not set(own) <= set(fields(POLICIES[name]))):
         return None  # an option the named policy does not take is refused when the profile is used
     try:
-        make_policy(name, **keys, **own)
+        make_policy(name, **keys, **{fields(POLICIES[name])[k]: v for k, v in own.items()})
     except UserError as exc:
         return str(exc)
     return None
@@ -234,13 +244,20 @@ def env_name(key: str) -> str:
 
 def _from_env(key: str, raw: str) -> Any:
     kind, _ = SETTINGS[key]
-    if kind == "int":
-        try:
+    value: Any = raw
+    try:
+        if kind == "int":
             value = int(raw)
-        except ValueError:
-            raise UserError(f"{env_name(key)}: must be an integer (got {raw!r})") from None
-    else:
-        value = raw
+        elif kind == "float":
+            value = float(raw)
+    except ValueError:
+        raise UserError(f"{env_name(key)}: must be {'an integer' if kind == 'int' else 'a number'} "
+                        f"(got {raw[:40]!r})") from None
+    if kind == "bool":
+        words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+        if raw.strip().lower() not in words:
+            raise UserError(f"{env_name(key)}: must be 1 or 0 (true or false) (got {raw[:40]!r})")
+        value = words[raw.strip().lower()]
     wrong = check_value(key, value, SETTINGS[key])
     if wrong:
         raise UserError(f"{env_name(key)}: {wrong}")

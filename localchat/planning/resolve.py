@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat.config import PolicySpec, RunSpec
-from localchat.engine.cards import ModelCard, default_card, find_card
+from localchat.engine.cards import DEFAULT_CHUNK, ModelCard, default_card, find_card
 from localchat.engine.heads import WEIGHTS as HEADS_FILE
 from localchat.engine.policies import DEFAULT_POLICY, PLAIN_POLICY, POLICIES, policy_class
 from localchat.engine.sampling import GenerationSettings
@@ -26,7 +26,6 @@ from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, Shape, detect, read_config
 from localchat.planning.planner import DEFAULT_MARGIN, Plan, Request, make_plan
 
-DEFAULT_CHUNK = 512
 RANDOM_HEADS_D_R = 1024  # RetainingHeads.random's d_R (the paper's)
 POLICY_FIELDS = ("budget", "local", "decode_window", "heads")  # every policy's, besides its own options
 
@@ -314,7 +313,8 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
     env = os.environ if env is None else env
     device = device or detect()
     saved = still_saved(saved or {}, flags)
-    cli = {k: flags.get(k) for k in profiles.SETTINGS}
+    # a switch not given reads False: not given, so a profile's or the environment's value stands
+    cli = {k: None if flags.get(k) is False else flags.get(k) for k in profiles.SETTINGS}
     r = profiles.resolve(cli, flags.get("profile") or saved.get("profile"), env=env, device=device, saved=saved,
                          saved_label=saved_label)
     if not quiet:
