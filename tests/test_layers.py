@@ -132,6 +132,7 @@ def test_the_checker_catches_an_upward_import_and_a_circle():
     assert upward(g) == ["localchat.engine.cache (engine) imports localchat.planning.memory (planning)"]
     g = graph()
     g["localchat.planning.memory"] = g["localchat.planning.memory"] | {"localchat.planning.resolve"}
-    assert cycles(g) == [["localchat.planning.memory", "localchat.planning.planner", "localchat.planning.resolve"]]
+    assert cycles(g) == [["localchat.config", "localchat.planning.memory", "localchat.planning.planner",
+                          "localchat.planning.resolve"]]
     with pytest.raises(AssertionError, match="belongs to no layer"):
         layer_of("localchat_extra.thing")
