@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # the kernel tests run Triton's interpreter on CPU tensors (tests/test_kernels.py)
+if not torch.cuda.is_available():  # the kernel tests run Triton's interpreter on CPU tensors (tests/kernels/test_kernels.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from localchat.engine.engine import Engine

@@ -165,6 +165,19 @@ def _ints(text: str, what: str) -> list[int]:
         raise UserError(f"--{what} takes whole numbers, e.g. 512,1024 (got {text!r})") from None
 
 
+def _out(args, what: str, files: str) -> Path:
+    """--out, which `bench what` needs (one line naming what goes there when it is missing)."""
+    if not args.out:
+        raise UserError(f"{what} needs --out DIR (where {files} {'go' if ' and ' in files else 'goes'})")
+    return Path(args.out)
+
+
+def _typed(name: str) -> str:
+    """`localchat bench name ...` as typed (for the report's command line)."""
+    argv = sys.argv
+    return shlex.join(["localchat", "bench", *argv[argv.index(name):]]) if name in argv else f"localchat bench {name}"
+
+
 def _command(args, perf: bool) -> str:
     """The command line that reproduces this run (defaults spelled out)."""
     f = flags(args)
@@ -250,13 +263,12 @@ def run(args) -> int:
     from localchat.bench.runner import BenchConfig
     from localchat.bench.runner import run as run_grid
 
-    if not args.out:
-        raise UserError("bench needs --out DIR (where results.jsonl goes)")
+    out = _out(args, "bench", "results.jsonl")
     f = flags(args)
     config = BenchConfig(
         tasks=parse_list(args.tasks, "tasks"), lengths=[parse_length(t) for t in parse_list(args.lengths, "lengths")],
         policies=parse_list(args.policies, "policies"), budgets=_ints(args.budgets, "budgets"), n=args.n,
-        out=Path(args.out), model=f["model"], heads=f["heads"], chunk=f["chunk"], positions=f["positions"],
+        out=out, model=f["model"], heads=f["heads"], chunk=f["chunk"], positions=f["positions"],
         seed=f["seed"] or 0, answer_tokens=args.answer_tokens, in_process=args.in_process,
         turns=_ints(args.turns, "turns") if args.turns is not None else None,
         examples=_ints(args.examples, "examples") if args.examples is not None else None,
@@ -277,15 +289,13 @@ def _run_kernels(args) -> int:
     from localchat.bench.kernels import KernelConfig
     from localchat.bench.kernels import run as run_kernels
 
-    if not args.out:
-        raise UserError("bench kernels needs --out DIR (where kernels.json and kernels.md go)")
+    out = _out(args, "bench kernels", "kernels.json and kernels.md")
     f = flags(args)
-    config = KernelConfig(out=Path(args.out), model=f["model"], length=parse_length(args.length),
+    config = KernelConfig(out=out, model=f["model"], length=parse_length(args.length),
                           budget=args.budget, decode_tokens=args.decode_tokens, reps=args.reps,
                           micro_only=args.micro_only, units=tuple(_ints(args.units, "units")),
                           seed=f["seed"] or 0,
-                          command=shlex.join(["localchat", "bench", "kernels", *sys.argv[sys.argv.index("kernels") + 1:]])
-                          if "kernels" in sys.argv else "localchat bench kernels")
+                          command=_typed("kernels"))
     print(run_kernels(config, say=_say).read_text(encoding="utf-8"))
     return 0
 
@@ -294,15 +304,13 @@ def _run_decode(args) -> int:
     from localchat.bench.decode import DecodeConfig
     from localchat.bench.decode import run as run_decode
 
-    if not args.out:
-        raise UserError("bench decode needs --out DIR (where decode.json and decode.md go)")
+    out = _out(args, "bench decode", "decode.json and decode.md")
     f = flags(args)
-    config = DecodeConfig(out=Path(args.out), model=f["model"], weights=parse_list(args.decode_weights, "weights"),
+    config = DecodeConfig(out=out, model=f["model"], weights=parse_list(args.decode_weights, "weights"),
                           length=parse_length(args.length), budget=args.budget, chunk=f["chunk"],
                           heads=f["heads"], decode_tokens=args.decode_tokens, repeat=args.repeat,
                           seed=f["seed"] or 0, peer=args.peer,
-                          command=shlex.join(["localchat", "bench", *sys.argv[sys.argv.index("decode"):]])
-                          if "decode" in sys.argv else "localchat bench decode")
+                          command=_typed("decode"))
     print(run_decode(config, say=_say).read_text(encoding="utf-8"))
     return 0
 
@@ -311,14 +319,13 @@ def _run_perf(args) -> int:
     from localchat.bench.perf import PerfConfig, doubling
     from localchat.bench.perf import run as run_perf
 
-    if not args.out:
-        raise UserError("bench perf needs --out DIR (where perf.json and perf.md go)")
+    out = _out(args, "bench perf", "perf.json and perf.md")
     low, high = parse_length(args.min_length), parse_length(args.max_length)
     f = flags(args)
     if low > high:
         raise UserError(f"--min-length {low} is above --max-length {high}")
     config = PerfConfig(
-        out=Path(args.out), model=f["model"], chunk=f["chunk"],
+        out=out, model=f["model"], chunk=f["chunk"],
         length=parse_length(args.length), lengths=doubling(low, high), budget=args.budget,
         heads=f["heads"] or "random", decode_tokens=args.decode_tokens,
         seed=f["seed"] or 0, repeat=args.repeat, peer=args.peer, max_copies=args.max_copies,

@@ -5,13 +5,13 @@ keyword plumbing and decorators around each of its 30 layers (SmolLM2), which co
 matrix products once the weights are int4 (kernels/packed.py). `DecodeStep` runs the same modules in the same
 order (norms, projections, RoPE from the model's own rotary embedding, the cache's update, SDPA, MLP), so the
 hooks policies put on them (LOCRET's q/k/v, SirLLM's final norm) still fire, and gives the same logits (tests:
-tests/test_decode_step.py).
+tests/engine/test_decode_step.py).
 
 LOCRET's retaining heads take each token's pre-RoPE q/k/v from hooks on the projections; where a layer runs in one
 C++ call, `on_qkv` (the policy's `qkv_sink()`) takes them instead. (Joining q/k/v and gate/up into one product
 each was measured too: on the CPU the old weights' memory is not given back, +500 MiB of RSS for SmolLM2 fp32.)
 
-Three ways through a step, the first that applies (all give transformers' logits; tests/test_decode_step.py):
+Three ways through a step, the first that applies (all give transformers' logits; tests/engine/test_decode_step.py):
   layers  an fp32 model on the CPU: one C++ call per layer (kernels/cpu_decode.cpp `layer_step`: norms, the
           packed or fp32 products, RoPE, the cache write, attention, SwiGLU); Python only between layers
   ops     the same C++ attention and norms between torch ops, where a layer cannot go whole (a hooked module,

@@ -5,7 +5,7 @@
 #   DEADLINE_S=570 LANES=14 bash tools/gpu/long_session.sh [CELLS] [RESULTS_DIR]
 #
 # 1. our wheels (.whl) into /tmp/site; 2. the carried part stashed, the GGUF joined and its SHA-256 checked;
-# 3. the eviction kernels' tests on the real GPU (tests/test_kernels.py -k gather_rotate: the bf16 remainder
+# 3. the eviction kernels' tests on the real GPU (tests/kernels/test_kernels.py -k gather_rotate: the bf16 remainder
 # kernel has only run under Triton's interpreter): if they fail, the lanes run the torch twins
 # (LOCALCHAT_KERNELS=torch) and the log says so; 4. the lanes (tools/gpu/lanes.sh) until DEADLINE_S seconds
 # after the start, less MARGIN_S (default 25) for the copy; 5. rows, logs and nvidia-smi to $OUT.
@@ -26,7 +26,7 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 echo "setup done at $(($(date +%s) - T0)) s"
 (
     . tools/gpu/env.sh
-    timeout 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k gather_rotate
+    timeout 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernels.py -k gather_rotate
 ) >"$OUT/kernels.log" 2>&1
 rc=$?
 tail -3 "$OUT/kernels.log"

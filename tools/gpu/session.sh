@@ -30,7 +30,7 @@
 #   total   ~7.5 min. N cut from 10 to 6 and 32K at N32=2 to stay under 8 minutes (raise them if step 2 ran
 #           fast: the bench resumes, rows already in quant-gpu/results.jsonl are not run again).
 #   step 6  extras, each only if started before LATE_EXTRA: plan --verify at budget/chunk 512/256, 2048/1024,
-#           4096/2048 (~15 s each), tests/test_kernels.py on CUDA (~30 s), `bench kernels` if it exists,
+#           4096/2048 (~15 s each), tests/kernels/test_kernels.py on CUDA (~30 s), `bench kernels` if it exists,
 #           the int4-weights model test on the CPU (~45 s).
 #   step 7  OmniKV --offload vs in memory: two-turn chats at 7,680 tokens, N=5 x 2 tasks, same answers?
 #           peak GPU memory, speed (tools/gpu/offload_check.py; ~60-90 s)
@@ -201,11 +201,11 @@ fi
 # test_int4_weights_load_and_answer_on_cpu: on a CUDA machine it loads int4 (optimum-quanto) on the GPU, where
 # quanto's bf16 int4 path (TinyGemm) unpacks through its CUDA extension, built with nvcc at first use (AWQ and
 # Marlin sources: minutes). Step 6 runs it as meant, on the CPU (CUDA hidden), if there is time.
-INT4_TEST=tests/test_model_quant.py::test_int4_weights_load_and_answer_on_cpu
+INT4_TEST=tests/engine/test_model_quant.py::test_int4_weights_load_and_answer_on_cpu
 if want 5; then
     P=$OUT/pytest-model.txt
-    run "$P" 240 "$PY" -m pytest -m model -x -q -p no:cacheprovider tests/test_model_quant.py --deselect "$INT4_TEST"
-    run "$P" 240 "$PY" -m pytest -m model -x -q -p no:cacheprovider tests/test_planner.py
+    run "$P" 240 "$PY" -m pytest -m model -x -q -p no:cacheprovider tests/engine/test_model_quant.py --deselect "$INT4_TEST"
+    run "$P" 240 "$PY" -m pytest -m model -x -q -p no:cacheprovider tests/planning/test_planner.py
 fi
 
 # --- step 6: extras, each only if it starts before LATE_EXTRA -----------------------------------------------
@@ -215,8 +215,8 @@ if want 6; then
             "'$PY' -m localchat plan --verify --profile none --budget ${bc%:*} --chunk ${bc#*:} --json > '$OUT/planner-gpu-b${bc%:*}-c${bc#*:}.json'"
     done
     # the Triton kernels against their torch twins on real CUDA tensors (the CPU runs them interpreted) (~30 s)
-    on_time "$LATE_EXTRA" "tests/test_kernels.py" &&
-        run "$OUT/kernels-gpu.txt" 240 "$PY" -m pytest -x -q -p no:cacheprovider tests/test_kernels.py
+    on_time "$LATE_EXTRA" "tests/kernels/test_kernels.py" &&
+        run "$OUT/kernels-gpu.txt" 240 "$PY" -m pytest -x -q -p no:cacheprovider tests/kernels/test_kernels.py
     if on_time "$LATE_EXTRA" "bench kernels" && "$PY" -m localchat bench kernels --help >/dev/null 2>&1; then
         run "$OUT/kernels-gpu.txt" 240 "$PY" -m localchat bench kernels --out "$OUT/kernels-gpu"
     fi

@@ -227,7 +227,7 @@ def test_plan_with_offload_reads_longer_documents_on_a_gpu():
 
     from localchat.profile_cli import plan_for
 
-    config = str(Path(__file__).parent / "data" / "configs" / "llama-3.1-8b-instruct.json")
+    config = str(Path(__file__).parents[1] / "data" / "configs" / "llama-3.1-8b-instruct.json")
 
     def plan(offload, device="cuda"):
         args = argparse.Namespace(model=config, policy="omnikv", budget=None, chunk=None, local=None, positions=None,

@@ -13,7 +13,7 @@ import pytest
 
 from localchat.cli import main
 
-CELLS = sorted((Path(__file__).parents[1] / "tools" / "gpu" / "cells").glob("*.txt"))
+CELLS = sorted((Path(__file__).parents[2] / "tools" / "gpu" / "cells").glob("*.txt"))
 
 
 def _lines(path: Path) -> list[str]:
@@ -46,7 +46,7 @@ def test_lanes_share_one_deadline(tmp_path):
     fake.chmod(0o755)
     cells = tmp_path / "cells.txt"
     cells.write_text("--tasks passkey --lengths 4k --policies full --budgets 1024 -n 1\n")
-    lanes = Path(__file__).parents[1] / "tools" / "gpu" / "lanes.sh"
+    lanes = Path(__file__).parents[2] / "tools" / "gpu" / "lanes.sh"
     env = {**os.environ, "PY": str(fake), "LANES": "5", "LIMIT_S": "6"}
     t0 = time.monotonic()
     subprocess.run(["bash", str(lanes), str(cells), str(tmp_path / "out")], env=env, check=True, timeout=120)

@@ -161,7 +161,7 @@ KILLER = textwrap.dedent("""
 
 def test_killing_the_process_while_it_saves_never_corrupts_the_chat(tmp_path, tiny_tok):
     db = tmp_path / "k.sqlite3"
-    script = KILLER.format(tests=str(Path(__file__).parent), db=str(db))
+    script = KILLER.format(tests=str(Path(__file__).parents[1]), db=str(db))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     saved = -1

@@ -21,7 +21,7 @@ from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 from localchat.planning.planner import Request, make_plan
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 LLAMA = str(CONFIGS / "llama-3.1-8b-instruct.json")
 
 

@@ -1,7 +1,7 @@
 """kernels/cpu_decode.cpp: the CPU decode step's C++ kernels against torch's own ops.
 
 They are built here (g++ and ninja, as torch.compile's CPU backend needs); a machine without a compiler gets
-torch's ops, which tests/test_decode_step.py runs too."""
+torch's ops, which tests/engine/test_decode_step.py runs too."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_the_int4_row_product_reads_torchs_packed_layout(native, rows, inputs):
     from localchat.kernels.packed import GROUP, PackedLinear
 
     if "avx512f" not in cpu_decode._cpu_flags().split():  # the kernel exists only where it can run
-        pytest.skip("this CPU has no AVX-512: the layer step uses torch's int4 kernel (tests/test_decode_step.py)")
+        pytest.skip("this CPU has no AVX-512: the layer step uses torch's int4 kernel (tests/engine/test_decode_step.py)")
     assert hasattr(native, "int4_row"), "an AVX-512 CPU, but the build has no int4_row"
     torch.manual_seed(rows)
     packed = PackedLinear(nn.Linear(inputs, rows, bias=False), 4)

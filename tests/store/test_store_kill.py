@@ -89,7 +89,7 @@ DRIVER = textwrap.dedent("""
 
 def _run(trials: int, seed: int, tmp_path: Path, tiny_tok) -> None:
     db = tmp_path / "k.sqlite3"
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER.format(tests=str(Path(__file__).parent), db=str(db))],
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER.format(tests=str(Path(__file__).parents[1]), db=str(db))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     engine = Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", chunk=32)
@@ -248,7 +248,7 @@ def test_a_kill_inside_the_cache_write_leaves_only_files_a_later_save_collects(t
     """safetensors writes through a temporary file of its own, beside its target and under its own name
     (".tmp" and 6 characters): a save killed inside that write used to leave a file no collection would remove."""
     db = tmp_path / "k.sqlite3"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(tests=str(Path(__file__).parent), db=str(db))],
+    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(tests=str(Path(__file__).parents[1]), db=str(db))],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         assert writer.stdout.readline().startswith("saving")

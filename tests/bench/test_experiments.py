@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "bench" / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "bench" / "experiments"
 SCRIPTS = sorted(EXPERIMENTS.glob("*.py"))
 HELPERS = {"saved_cache"}  # imported by other scripts; no command line of its own
 

@@ -15,7 +15,7 @@ from localchat.bench.runner import RESULTS, BenchConfig, plan, run
 from test_bench import one_thread, tiny_dir  # noqa: F401 (fixtures: a tiny model, one torch thread)
 
 pytestmark = pytest.mark.skipif(lanes.fcntl is None, reason="claims need fcntl (POSIX)")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _holder(results: Path, key: str) -> subprocess.Popen:

@@ -6,7 +6,7 @@ import pytest
 
 from localchat.planning import memory as m
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 
 
 def shape(name: str) -> m.Shape:
