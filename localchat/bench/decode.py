@@ -23,7 +23,7 @@ import torch
 
 from localchat.bench import machine
 from localchat.bench.cell import Cell, load_engine, use_policy
-from localchat.bench.peer import check_peer, load_peer, missing_row, peer_rows
+from localchat.bench.peer import check_peer, load_peer, peer_rows, peer_summary
 from localchat.bench.perf import FLOOR_PROMPT, _prompt, _row, _run, _vs_peer, median_row, peer_lines, write
 from localchat.bench.runner import default_chunk
 from localchat.errors import UserError
@@ -102,11 +102,12 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
     for row in rows:
         ref = base[row["row"].split(", ")[0]]
         row["decode_vs_" + config.weights[0]] = round(row["decode_tok_s"] / ref["decode_tok_s"], 2)
-    peer_out = [median_row([r[i] for r in peer_runs]) for i in range(2)] if peer_runs else \
-        ([missing_row(config.peer)] if config.peer else [])
+    if hasattr(peer, "close"):
+        peer.close()
+    peer_out, measured = peer_summary(peer_runs, config.peer, median_row)
     ratios = _vs_peer({row["weights"]: row for row in rows
                        if row["row"].startswith("locret") and "transformers" not in row["row"]},
-                      peer_out if peer_runs else None)
+                      peer_out if measured else None)
     return {
         "command": config.command, "peer": config.peer, "peer_rows": peer_out, "peer_runs": peer_runs,
         "ratios_vs_peer": ratios,

@@ -154,7 +154,7 @@ def check(config: PerfConfig) -> None:
 
 
 def measure(config: PerfConfig, say=lambda s: None) -> dict:
-    from localchat.bench.peer import check_peer, load_peer, missing_row, peer_rows
+    from localchat.bench.peer import check_peer, load_peer, peer_rows, peer_summary
 
     check(config)
     check_peer(config.peer, config.model)
@@ -221,11 +221,12 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
     from localchat.engine.quantize import weight_bytes
 
     weights_mib = weight_bytes(engine.model) / 2**20
-    peer_out = [median_row([r[i] for r in runs["peer"]]) for i in range(2)] if runs["peer"] else \
-        ([missing_row(config.peer)] if config.peer else [])
+    if hasattr(peer, "close"):
+        peer.close()
+    peer_out, measured = peer_summary(runs["peer"], config.peer, median_row)
     return {
         "command": config.command, "peer": config.peer, "peer_rows": peer_out, "ratios_vs_peer": _vs_peer(
-            {"full (ours)": full, "locret": locret}, peer_out if runs["peer"] else None),
+            {"full (ours)": full, "locret": locret}, peer_out if measured else None),
         "setup": {
             "model": engine.name, "model_spec": config.model, "device": engine.device.type, "chunk": engine.chunk,
             "length": config.length, "scaling_lengths": config.lengths, "decode_tokens": config.decode_tokens,
