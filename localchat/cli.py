@@ -412,11 +412,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_chat(engine, engine.spec.generation, max_bytes=int(args.max_file_mb * 1024 * 1024))
         from localchat.tui.app import run_tui  # no subcommand: the chat window
 
-        from localchat.planning.resolve import card_for, check_heads
+        from localchat.planning.resolve import check_heads
 
         # resolved now (a bad setting fails before the window opens); planned and loaded behind the window
         spec = resolve_spec(args, plan=False)
-        check_heads(spec.policy, card_for(spec.model), spec.model or "the default model")
+        check_heads(spec.policy, spec.card, spec.model or "the default model")
         return run_tui(spec, max_bytes=int(args.max_file_mb * 1024 * 1024))
     except UserError as exc:
         if args.debug:

@@ -16,6 +16,7 @@ from localchat.engine.cards import DEFAULT_CHUNK
 from localchat.engine.sampling import GenerationSettings
 
 if TYPE_CHECKING:
+    from localchat.engine.cards import ModelCard
     from localchat.planning.planner import Plan
 
 
@@ -63,6 +64,7 @@ class RunSpec:
     asked: tuple[tuple[str, Any], ...] = ()  # the policy settings the user gave (flag key, value), for /policy X
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     plan: Plan | None = field(default=None, compare=False, repr=False)
+    card: ModelCard | None = field(default=None, compare=False, repr=False)  # the model's card, looked up once
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON): what `plan --json` prints and a saved chat records."""

@@ -56,8 +56,11 @@ class Engine:
     @classmethod
     def load(cls, spec: str | None = None, *, chunk: int | None = None, device: torch.device | None = None,
              policy: Policy | None = None, positions: str | None = None, say=loading._stderr,
-             weights: str | None = None, kv: str | None = None, before_weights=None) -> "Engine":
-        loaded = loading.load(spec, device=device, say=say, weights=weights, before_weights=before_weights)
+             weights: str | None = None, kv: str | None = None, before_weights=None,
+             card=loading.LOOK_UP) -> "Engine":
+        """`card`: the model's card when the caller has looked it up (None: it has none)."""
+        loaded = loading.load(spec, device=device, say=say, weights=weights, before_weights=before_weights,
+                              card=card)
         engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk,
                      policy=policy, positions=positions, kv=kv)
         engine.weights = weights

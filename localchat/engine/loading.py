@@ -50,9 +50,15 @@ def _gguf_dir(gguf: Path, say: Say) -> Path:
     return build_checked(out, lambda: convert_gguf(gguf, out, say), say, forget_lock=True)
 
 
-def resolve(spec: str | None, say: Say = _stderr) -> tuple[str, ModelCard | None]:
-    """Turn what the user typed into something from_pretrained accepts, plus its card if we have one."""
-    if spec is None or find_card(spec) is default_card():
+LOOK_UP = object()  # `card` not given: find it from the model's name
+
+
+def resolve(spec: str | None, say: Say = _stderr, card=LOOK_UP) -> tuple[str, ModelCard | None]:
+    """Turn what the user typed into something from_pretrained accepts, plus its card if we have one (`card`:
+    already looked up by the caller)."""
+    if card is LOOK_UP:
+        card = default_card() if spec is None else find_card(spec)
+    if spec is None or card is default_card():
         card = default_card()
         return str(ensure_default_model(card, say)), card
     path = Path(spec).expanduser()
@@ -63,14 +69,14 @@ def resolve(spec: str | None, say: Say = _stderr) -> tuple[str, ModelCard | None
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelError(f"{spec} is a directory without config.json; point --model at a Hugging Face model directory")
-        return str(path), find_card(spec)
+        return str(path), card
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelError(f"no such model path: {spec}; give a local directory, a .gguf file or a Hugging Face id")
-    return spec, find_card(spec)
+    return spec, card
 
 
 def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtype | None = None,
-         say: Say = _stderr, weights: str | None = None, before_weights=None) -> Loaded:
+         say: Say = _stderr, weights: str | None = None, before_weights=None, card=LOOK_UP) -> Loaded:
     """`weights`: fp32 / bf16 / fp16 / int8 / int4 / nf4 (engine/quantize.py); None = the device's dtype.
     `before_weights(device, dtype)` runs after the tokenizer loads, just before the weights do (memory baselines)."""
     from localchat.engine import quantize
@@ -78,7 +84,7 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    source, card = resolve(spec, say)
+    source, card = resolve(spec, say, card)
     hf_logging.disable_progress_bar()  # a warm start prints nothing but the answer
     device = device or best_device()
     quantize.check(weights, device)

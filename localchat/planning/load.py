@@ -15,7 +15,7 @@ from localchat.errors import UserError
 from localchat.planning import memory
 from localchat.planning.memory import GIB, Shape, dtype_name, kv_unit_bytes, model_bytes, split_bytes
 from localchat.planning.planner import DEFAULT_MARGIN
-from localchat.planning.resolve import Target, card_for, check_architecture, check_heads, fixed_fields, heads_dir_for, plan_spec
+from localchat.planning.resolve import Target, check_heads, fixed_fields, heads_dir_for, plan_spec
 
 
 def heads_source(spec: PolicySpec, card, name: str) -> Path | str | None:
@@ -72,10 +72,9 @@ def use_spec(engine: Engine, spec: RunSpec, heads: Path | str | None = None, ses
 def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
     """Load the model and set it to `spec`. Where `spec` has no plan yet for a bounded policy (its shape was
     unknown before loading), plan now with the loaded model's exact size; `engine.spec` is what runs."""
-    check_architecture(spec.model)
-    card = card_for(spec.model)
+    card = spec.card  # resolve() checked the architecture and looked the card up
     heads = heads_source(spec.policy, card, card.name if card else str(spec.model))  # before a multi-minute load
-    engine = Engine.load(spec.model, weights=spec.weights, say=say, before_weights=before_weights)
+    engine = Engine.load(spec.model, weights=spec.weights, say=say, before_weights=before_weights, card=card)
     engine.admit = admit
     if spec.plan is None and policy_class(spec.policy.name).bounded():
         spec = plan_loaded(engine, spec)

@@ -349,7 +349,8 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
                    kv=kv if kv not in ("fp32", "bf16", "fp16") else "none", margin_mib=given.get("margin_mib"),
                    generation=generation, profile=r.profile.name if r.profile else None,
                    asked=tuple((k, v) for k, v in given.items() if k in ("positions", *POLICY_FIELDS, *option_keys())),
-                   sources={**sources, "profile": r.profile_source, **{f"asked.{k}": given_from[k] for k in given}})
+                   sources={**sources, "profile": r.profile_source, **{f"asked.{k}": given_from[k] for k in given}},
+                   card=card)
     return complete(spec, target, quiet=quiet) if plan else spec
 
 

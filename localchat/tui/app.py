@@ -205,7 +205,8 @@ def spec_of(engine) -> RunSpec:
 
     p = engine.policy
     return RunSpec(policy=PolicySpec(p.name, p.budget if p.uses_budget() else None, p.local, engine.positions,
-                                     p.decode_window), model=None, chunk=engine.chunk, kv=engine.kv)
+                                     p.decode_window), model=None, chunk=engine.chunk, kv=engine.kv,
+                   card=engine.card)
 
 
 def run_tui(spec: RunSpec, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
