@@ -342,8 +342,7 @@ def _plan_at(shape: Shape, memory: int, req: Request, *, memory_source: str = ""
                                     f"positions, with any budget; try --chunk {shape.window // 4:,}, or leave --chunk "
                                     f"out and the plan picks one")
                 raise UserError(f"budget {budget:,} + chunk {smallest:,} does not fit {shape.name}'s window of "
-                                f"{shape.window:,} positions; a budget up to "
-                                f"{shape.window - _positions(req, smallest) - 1:,} would")
+                                f"{shape.window:,} positions; a budget up to {room:,} would")
             raise UserError(f"budget {budget:,} needs {need / GIB:.1f} GiB with chunk {smallest} but "
                             f"{memory / GIB:.1f} GiB is available; "
                             + (f"a budget up to {best:,} would fit" if best else "nothing fits: the weights alone "

@@ -14,6 +14,7 @@ reached through a link (private.py), and one writer at a time holds a chat (loca
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
@@ -148,15 +149,15 @@ class Store:
             cache_file, cache_problem = self.caches.write(session), None
         except Exception as exc:  # noqa: BLE001 - disk full, a size limit, a read-only medium: the turn goes on
             cache_file, cache_problem = None, _reason(exc)
-        row = self._row(session, cache_file)
+        row, messages = self._row(session, cache_file), self._messages(session)
         try:
-            old = rows.write(self.db, name, row, self._messages(session), session.attachments, session.saved_at)
+            old = rows.write(self.db, name, row, messages, session.attachments, session.saved_at)
         except UserError:
             self.caches.remove(cache_file)
             raise
         except (sqlite3.Error, OSError) as exc:
             self.caches.remove(cache_file)
-            raise SaveIncomplete(None, self._keep_turn(session, name, row, _reason(exc))) from None
+            raise SaveIncomplete(None, self._keep_turn(session, name, row, messages, _reason(exc))) from None
         session.saved_at = row["updated"]
         if old and old != cache_file:
             self.caches.remove(old)
@@ -172,8 +173,6 @@ class Store:
 
     @staticmethod
     def _row(session: Session, cache_file: str | None) -> dict:
-        import json
-
         e, now = session.engine, time.time()
         settings = {**settings_of(e), "spec": e.spec.to_dict() if e.spec is not None else None}  # the run's RunSpec
         return {"title": session.title(), "model": e.name, "policy": e.policy.name, "system": session.system,
@@ -187,14 +186,14 @@ class Store:
 
     # --- the journal: turns a failed save kept --------------------------------------------------
 
-    def _keep_turn(self, session: Session, name: str, row: dict, reason: str) -> str:
+    def _keep_turn(self, session: Session, name: str, row: dict, messages: list[dict], reason: str) -> str:
         """Write what the database lacks of `session` to the journal; the one line that says where it is."""
         try:  # the messages the database holds already (reading works where writing does not)
             held = rows.held_messages(self.db, name)
         except sqlite3.Error:
             held = None
         try:
-            path = journal.keep(self.path.parent / "journal", journal.entry_for(session, name, row, held))
+            path = journal.keep(self.path.parent / "journal", journal.entry_for(session, name, row, messages, held))
         except (OSError, UserError) as exc:
             return (f"chat {shown(name)} could not be saved ({reason}), nor its turn kept aside ({_reason(exc)}): the "
                     f"answer above is all there is of it. Make room in {self.path.parent} (disk space, or the "

@@ -89,11 +89,10 @@ def read(path: Path) -> dict | None:
     return entry if ok else None
 
 
-def entry_for(session, name: str, row: dict, held: list[dict] | None) -> dict:
-    """What the database lacks of `session` (saved as chat `name`, whose row would be `row`): the messages past
-    the `held` ones when the database holds them unchanged, else all of them (`held` None: it could not be read)."""
-    questions = iter(session.questions)
-    messages = [{**m, "question": next(questions, None) if m["role"] == "user" else None} for m in session.messages]
+def entry_for(session, name: str, row: dict, messages: list[dict], held: list[dict] | None) -> dict:
+    """What the database lacks of `session` (saved as chat `name`, whose row and messages would be `row` and
+    `messages`): the messages past the `held` ones when the database holds them unchanged, else all of them
+    (`held` None: it could not be read)."""
     roles = [{"role": m["role"], "content": m["content"]} for m in messages]
     start = len(held) if held and session.saved_at is not None and roles[:len(held)] == held else 0
     return {"chat": name, "base": session.saved_at if start else None, "from": start, "messages": messages[start:],

@@ -41,19 +41,24 @@ def _check_file(path: Path, st: os.stat_result | None) -> None:
         raise link_error(path, hard=not stat.S_ISLNK(st.st_mode))
 
 
+def _folder(path: Path) -> os.stat_result | None:
+    """lstat of the room `path` (None when missing); UserError when a link or something other than a folder."""
+    st = _lstat(path)
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise link_error(path)
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{path} is not a folder; move it aside and localchat makes its own")
+    return st
+
+
 def check_rooms(data: Path) -> None:
     """UserError when the database files, a room, or anything in a room is a symbolic link, or a file there is
     hard-linked elsewhere."""
     for name in DB_FILES:
         _check_file(data / name, _lstat(data / name))
     for room in ROOMS:
-        st = _lstat(data / room)
-        if st is None:
+        if _folder(data / room) is None:
             continue
-        if stat.S_ISLNK(st.st_mode):
-            raise link_error(data / room)
-        if not stat.S_ISDIR(st.st_mode):
-            raise UserError(f"{data / room} is not a folder; move it aside and localchat makes its own")
         try:
             entries = list(os.scandir(data / room))
         except OSError:
@@ -64,9 +69,7 @@ def check_rooms(data: Path) -> None:
 
 def room(path: Path) -> Path:
     """The folder `path` inside the data directory, made 0700 if missing; a link or a file there is refused."""
-    st = _lstat(path)
-    if st is not None and stat.S_ISLNK(st.st_mode):
-        raise link_error(path)
+    st = _folder(path)
     try:
         if st is None:
             path.mkdir(mode=0o700)
