@@ -257,7 +257,7 @@ def _ask_with_lock(args, docs) -> int:
 
 def _ask_in_session(args, store, engine, docs, cancel, told: bool = False) -> int:
     """One turn in the saved chat `args.session`, whose lock this process holds: load, answer, save. `told`: the
-    user was told the conversation is read again (a changed setting), so the generic notices of it are not."""
+    user was told the conversation is read again (a changed setting), so the store's notice of it is not."""
     from localchat.engine.events import Error, Notice
     from localchat.render import stream_to
     from localchat.session import Session
@@ -266,15 +266,13 @@ def _ask_in_session(args, store, engine, docs, cancel, told: bool = False) -> in
         session, notices = store.load(args.session, engine)
     else:
         session, notices = Session(engine, name=args.session), []
-    for note in notices if not told else []:
+    for note in notices if not told else []:  # why the conversation is read again is said once
         print(f"localchat: {note}", file=sys.stderr)
-    told = told or bool(notices)  # why the conversation is read again is said once
 
     def events():
         for ev in session.send(args.question, docs, engine.spec.generation, cancel):
             if isinstance(ev, Notice):
-                if not (told and ev.message.startswith("re-reading the conversation")):
-                    print(f"localchat: {ev.message}", file=sys.stderr)
+                print(f"localchat: {ev.message}", file=sys.stderr)
             else:
                 yield ev
 

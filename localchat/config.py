@@ -10,9 +10,12 @@ saved chat records it. Change a setting with `dataclasses.replace`, never in pla
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localchat.engine.cards import DEFAULT_CHUNK
+from localchat.engine.policies import Policy, policy_class
 from localchat.engine.sampling import GenerationSettings
 
 if TYPE_CHECKING:
@@ -46,6 +49,15 @@ class PolicySpec:
     def param(self, key: str, default: Any = None) -> Any:
         return dict(self.params).get(key, default)
 
+    @cached_property
+    def cls(self) -> type[Policy]:
+        """The policy's class, looked up once (an unknown name raises the one-line error)."""
+        return policy_class(self.name)
+
+    def has_heads(self) -> bool:
+        """Whether the policy reads retaining heads (LOCRET and its kin)."""
+        return "heads" in self.cls.fields()
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -65,6 +77,7 @@ class RunSpec:
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     plan: Plan | None = field(default=None, compare=False, repr=False)
     card: ModelCard | None = field(default=None, compare=False, repr=False)  # the model's card, looked up once
+    heads_dir: Path | str | None = field(default=None, compare=False, repr=False)  # found once by load: a folder, "random"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON): what `plan --json` prints and a saved chat records."""

@@ -108,12 +108,10 @@ def plan_for(args, quiet: bool = False) -> tuple[RunSpec, Plan, Device]:
 
 def heads_note(spec: RunSpec, card) -> str | None:
     """Where LOCRET's heads will come from when that is an official release: fetched already, or not yet."""
-    from localchat.engine.policies import policy_class
     from localchat.planning.heads_fetch import Release, cached_heads
 
     release = Release.of(card) if card is not None else None
-    if release is None or spec.policy.heads or "heads" not in policy_class(spec.policy.name).fields() \
-            or shipped_heads_dir(card):
+    if release is None or spec.policy.heads or not spec.policy.has_heads() or shipped_heads_dir(card):
         return None
     directory = cached_heads(card)
     if directory:

@@ -69,6 +69,7 @@ class Session:
         self._state = _State()
         self._before_last: tuple[_State, KVCache | int | None] | None = None  # for retry / edit
         self._stale: str | None = None  # why the cache no longer matches (re-read at the next turn)
+        self._stale_said = False  # the user was told why already: the turn's notice is not repeated
 
     # --- what the UI shows ---------------------------------------------------------------------
 
@@ -187,10 +188,11 @@ class Session:
         """Continue from `cache`, which holds `saved_text()` read over `fed` true positions."""
         self._state.cache, self._state.text, self._state.fed = cache, self.saved_text(), fed
 
-    def mark_stale(self, why: str) -> None:
-        """The cache no longer fits the settings: the next turn re-reads the history once."""
+    def mark_stale(self, why: str, said: bool = False) -> None:
+        """The cache no longer fits the settings: the next turn re-reads the history once (and says why, unless
+        the caller has `said` it)."""
         if self.messages:
-            self._stale = why
+            self._stale, self._stale_said = why, said
         else:
             self._state.cache = None
         self._before_last = None
@@ -269,7 +271,8 @@ class Session:
         if self._stale or state.cache is None or not full.startswith(state.text):
             if self._stale or state.cache is not None:
                 why = self._stale or "the chat template rendered the history differently"
-                yield Notice(f"re-reading the conversation once: {why}")
+                if not (self._stale and self._stale_said):
+                    yield Notice(f"re-reading the conversation once: {why}")
             state.cache, state.text, state.fed = None, "", 0
         start_text = len(state.text)
         ids = engine.encode(full[start_text:])

@@ -4,13 +4,14 @@ check for policies that keep every token, and the plan made after loading where 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from localchat.config import PolicySpec, RunSpec
 from localchat.engine.engine import Engine
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.loading import _stderr
-from localchat.engine.policies import Policy, make_policy, policy_class
+from localchat.engine.policies import Policy, make_policy
 from localchat.errors import UserError
 from localchat.planning import memory
 from localchat.planning.memory import GIB, Shape, dtype_name, kv_unit_bytes, model_bytes, split_bytes
@@ -22,7 +23,7 @@ def heads_source(spec: PolicySpec, card, name: str) -> Path | str | None:
     """Where the policy's retaining heads come from, checked once (before a multi-minute load): "random", a
     directory (an official release is fetched into the user cache the first time), or None for a policy without
     heads. One line when there are none."""
-    if "heads" not in policy_class(spec.name).fields():
+    if not spec.has_heads():
         return None
     if spec.heads == "random":
         return "random"
@@ -40,7 +41,7 @@ def build_policy(engine: Engine, spec: PolicySpec, heads: Path | str | None = No
     when not given)."""
     settings = spec.settings()
     settings.pop("heads", None)
-    if "heads" in policy_class(spec.name).fields():
+    if spec.has_heads():
         where = heads if heads is not None else heads_source(spec, engine.card, engine.name)
         if where == "random":
             settings["heads"] = RetainingHeads.random(engine.model)
@@ -63,22 +64,24 @@ def use_policy(engine: Engine, spec: PolicySpec, *, kv: str | None = None, chunk
         engine.chunk = chunk
 
 
-def use_spec(engine: Engine, spec: RunSpec, heads: Path | str | None = None, session=None) -> None:
-    """Set `engine` to `spec`'s policy, positions, chunk and cache type (the model stays)."""
-    use_policy(engine, spec.policy, kv=spec.kv, chunk=spec.chunk, heads=heads, session=session)
+def use_spec(engine: Engine, spec: RunSpec, session=None) -> None:
+    """Set `engine` to `spec`'s policy (with the heads `spec.heads_dir` names, when found already), positions,
+    chunk and cache type (the model stays)."""
+    use_policy(engine, spec.policy, kv=spec.kv, chunk=spec.chunk, heads=spec.heads_dir, session=session)
     engine.spec = spec
 
 
 def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
-    """Load the model and set it to `spec`. Where `spec` has no plan yet for a bounded policy (its shape was
-    unknown before loading), plan now with the loaded model's exact size; `engine.spec` is what runs."""
+    """Load the model and set it to `spec`. The heads are found (or fetched) first, once, before a multi-minute
+    load; where `spec` has no plan yet for a bounded policy (its shape was unknown before loading), plan now
+    with the loaded model's exact size. `engine.spec` is what runs."""
     card = spec.card  # resolve() checked the architecture and looked the card up
-    heads = heads_source(spec.policy, card, card.name if card else str(spec.model))  # before a multi-minute load
+    spec = replace(spec, heads_dir=heads_source(spec.policy, card, card.name if card else str(spec.model)))
     engine = Engine.load(spec.model, weights=spec.weights, say=say, before_weights=before_weights, card=card)
     engine.admit = admit
-    if spec.plan is None and policy_class(spec.policy.name).bounded():
+    if spec.plan is None and spec.policy.cls.bounded():
         spec = plan_loaded(engine, spec)
-    use_spec(engine, spec, heads)
+    use_spec(engine, spec)
     return engine
 
 

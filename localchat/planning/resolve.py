@@ -214,7 +214,7 @@ def heads_dir_for(spec: PolicySpec, card: ModelCard | None) -> Path | None:
 def check_heads(spec: PolicySpec, card: ModelCard | None, name: str) -> None:
     """Before any weights load: the policy's heads exist, or an official release can provide them (fetched at
     load). One line otherwise, naming the ways on."""
-    if "heads" not in policy_class(spec.name).fields() or spec.heads == "random":
+    if not spec.has_heads() or spec.heads == "random":
         return
     directory = heads_dir_for(spec, card)
     if spec.heads and not (directory / HEADS_FILE).is_file():
@@ -237,11 +237,12 @@ def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set
     """What the planner is asked for `spec`: the fields in `fixed` are the user's (the plan must keep them); a
     budget or chunk from the model card is the most the plan may choose; any other is the plan's to choose."""
     p = spec.policy
-    cls = policy_class(p.name)
+    cls = p.cls
     act = act or ("bf16" if kind == "cuda" else "fp32")
     d_r = 0
     if "heads" in cls.fields():
-        d_r = RANDOM_HEADS_D_R if p.heads == "random" else heads_d_r(heads_dir_for(p, card)) or RANDOM_HEADS_D_R
+        found = spec.heads_dir if isinstance(spec.heads_dir, Path) else heads_dir_for(p, card)
+        d_r = RANDOM_HEADS_D_R if p.heads == "random" else heads_d_r(found) or RANDOM_HEADS_D_R
     throughput = {}
     if measured:
         throughput = {int(c): float(t) for c, t in zip(measured.get("chunks", []), measured.get("tokens_per_s", []))}
@@ -266,7 +267,7 @@ def settled_params(spec: RunSpec, budget: int) -> dict[str, Any]:
     n_s drops to budget // 4 when it would not fit)."""
     params = dict(spec.policy.params)
     given = {k for k in params if k in dict(spec.asked)}
-    settled = policy_class(spec.policy.name).settle({**params, "budget": budget}, given)
+    settled = spec.policy.cls.settle({**params, "budget": budget}, given)
     return {k: v for k, v in settled.items() if k != "budget"}
 
 
@@ -274,7 +275,7 @@ def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
     """`spec` with the plan's budget and chunk where they were not fixed by the user (LOCRET's n_s follows its rule).
     A model card's value is only ever lowered, and then `say` tells why."""
     p = spec.policy
-    cls = policy_class(p.name)
+    cls = p.cls
     sources = dict(spec.sources)
     fits = f"{plan.memory / GIB:.1f} GiB"
     precision = {}
@@ -399,7 +400,7 @@ def changed_settings(saved: dict[str, Any], spec: RunSpec) -> list[str]:
 def complete(spec: RunSpec, target: Target | None = None, *, quiet: bool = False) -> RunSpec:
     """`spec` with its memory plan (for a policy the budget bounds), from the model's shape read without its
     weights. A model whose shape is unknown until it loads stays unplanned: planning/load.py plans it then."""
-    if spec.plan is not None or not policy_class(spec.policy.name).bounded():
+    if spec.plan is not None or not spec.policy.cls.bounded():
         return spec
     try:
         shape, card = model_facts(spec.model)

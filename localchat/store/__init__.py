@@ -133,7 +133,7 @@ class Store:
         problem = self.caches.read(session, saved.cache_file, saved.fed)
         if problem is None:
             return session, []
-        session.mark_stale(problem)
+        session.mark_stale(problem, said=True)  # the caller shows the notice below
         return session, [f"the saved cache of {shown(name)} is not reused ({problem}); the next question re-reads "
                          f"the conversation once"]
 

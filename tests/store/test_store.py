@@ -78,7 +78,7 @@ def test_a_saved_cache_is_not_reused_with_other_settings(engine, tmp_path):
     reopened, notices = store.load("x", engine)
     assert len(notices) == 1 and "another model, policy" in notices[0]
     evs, _, done = _answer(reopened.send("Next?", (), SETTINGS))
-    assert isinstance(evs[0], Notice) and "re-reading" in evs[0].message
+    assert not any(isinstance(e, Notice) for e in evs)  # why it is read again was said once, by the load
     assert isinstance(done, Done) and done.prompt_tokens > 300  # the whole conversation, once
 
 
@@ -226,7 +226,7 @@ def test_a_cache_saved_with_another_kv_format_is_reread_not_misread(engine, tmp_
     reopened, notices = store.load("x", engine)
     assert len(notices) == 1 and "another model, policy" in notices[0]
     evs, _, done = _answer(reopened.send("Next?", (), SETTINGS))
-    assert isinstance(evs[0], Notice) and isinstance(done, Done)
+    assert isinstance(done, Done) and done.prompt_tokens > 300  # read again whole, not misread
 
 
 def test_a_version_1_database_is_migrated_and_its_chats_still_open(engine, tmp_path):
