@@ -183,7 +183,7 @@ def run_policies() -> int:
 
 
 def run_ask(args) -> int:
-    from localchat.documents import load_document
+    from localchat.documents import load_document, tokens_estimate
     from localchat.engine.events import Error
     from localchat.render import stream_to, user_turn
 
@@ -197,7 +197,7 @@ def run_ask(args) -> int:
     docs = [load_document(f, max_bytes=int(args.max_file_mb * 1024 * 1024)) for f in args.file]
     if args.session:
         return _ask_with_lock(args, docs)
-    engine = load_engine(args)
+    engine = load_engine(args, doc_tokens=tokens_estimate(docs) or None)
     cancel = threading.Event()
     messages = [{"role": "user", "content": user_turn(args.question, docs)}]
     final = stream_to(engine.chat(messages, engine.spec.generation, cancel), cancel, sys.stdout)
@@ -232,8 +232,9 @@ def _open_store():
 def _ask_with_lock(args, docs) -> int:
     """`ask --session S`: holds the lock of chat S from loading it to saving it (localchat/store/chat_lock.py), so a
     second `ask` on S waits and then continues from what this one saved."""
-    from localchat.store.chat_lock import WINDOW, wait_limit
+    from localchat.documents import tokens_estimate
     from localchat.planning.resolve import changed_settings, saved_flags
+    from localchat.store.chat_lock import WINDOW, wait_limit
 
     wait = wait_limit()
     store = _open_store()
@@ -243,7 +244,8 @@ def _ask_with_lock(args, docs) -> int:
         if not lock.try_acquire() and lock.holder()[0] == WINDOW:
             lock.acquire(0, _say)  # refuses in one line
         saved = saved_flags(store.settings(args.session).get("spec")) if store.exists(args.session) else {}
-        engine = load_engine(args, saved=saved, saved_label=f"chat {args.session!r}")
+        engine = load_engine(args, saved=saved, saved_label=f"chat {args.session!r}",
+                             doc_tokens=tokens_estimate(docs) or None)
         changes = changed_settings(saved, engine.spec) if saved and engine.spec is not None else []
         if changes:
             _say(f"chat {args.session!r} continues with {', '.join(changes)}: its saved cache was made with the "

@@ -18,7 +18,7 @@ from localchat.errors import UserError
 from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, detect, quantized
 from localchat.planning.planner import Plan, make_plan, verify
-from localchat.planning.resolve import (Target, fixed_fields, model_facts, plan_request, settled_params,
+from localchat.planning.resolve import (Target, fixed_fields, model_facts, plan_request, plan_spec, settled_params,
                                        shipped_heads_dir)
 
 
@@ -256,6 +256,31 @@ def measure_speed(engine, tokens: int, chunk: int, baseline: int | None = None) 
     return tokens / secs, peak
 
 
+def measure_decode(spec: RunSpec, choices: tuple[str, ...], prompt: int = 1024, new: int = 32) -> dict[str, float]:
+    """Decode tokens/s after a `prompt`-token random prompt with each weights in `choices` (a load each)."""
+    import gc
+
+    import torch
+
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.planning.load import load_engine
+
+    speeds = {}
+    for weights in choices:
+        engine = load_engine(replace(spec, weights=weights))
+        ids = torch.randint(0, len(engine.tokenizer), (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        done = None
+        for ev in engine.generate(ids, GenerationSettings(max_new_tokens=new, ignore_eos=True)):
+            if type(ev).__name__ == "Error":
+                raise UserError(f"measuring {weights} decoding failed: {ev.message}")
+            done = ev
+        speeds[weights] = round(done.decode_tps, 1)
+        print(f"decode {weights:>5}: {done.decode_tps:8.1f} tokens/s", file=sys.stderr)
+        del engine
+        gc.collect()
+    return speeds
+
+
 def run_tune(args) -> int:
     """Measure this machine: prefill speed per chunk, then the real peak at the plan's budget and precision (planned
     again around any miss); save what fits with the margin as a profile, and show the plan before and after."""
@@ -272,6 +297,14 @@ def run_tune(args) -> int:
     device = detect()
     args.profile = args.profile or "none"  # measure plain auto-detected settings unless a profile is named
     spec, before, _ = plan_for(args)
+    decode = {}
+    held = spec.card.held_weights(before.kind) if spec.card is not None else ()
+    if held and "weights" not in fixed_fields(spec):  # speed decides among weights that answer alike
+        decode = measure_decode(spec, (before.request.act if before.kind == "cuda" else "fp32", *held))
+        target = Target(before.memory, before.memory_source, before.kind)
+        spec = plan_spec(replace(spec, plan=None), before.shape, spec.card, target, fixed=fixed_fields(spec),
+                         measured={"decode_tokens_per_s": decode})
+        before = spec.plan
     from localchat.planning.load import load_measured
     from localchat.planning.memory import dtype_name, model_bytes
 
@@ -302,7 +335,7 @@ def run_tune(args) -> int:
     speed = dict(zip(chunks, speeds)).get(after.chunk)
     measured = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "model": engine.name, "prompt_tokens": args.tokens,
-        "chunks": chunks, "tokens_per_s": speeds, "peak_mib": peaks,
+        "chunks": chunks, "tokens_per_s": speeds, "peak_mib": peaks, **({"decode_tokens_per_s": decode} if decode else {}),
         **_summary("before", before), **_summary("after", after),
         "torch": torch.__version__, "localchat": __version__, "threads": torch.get_num_threads(),
     }

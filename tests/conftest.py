@@ -19,6 +19,15 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path_factory.getbasetemp() / "data"))
 
 
+@pytest.fixture(autouse=True)
+def _cpu_without_avx512(monkeypatch):
+    """Plans are made as on a CPU without AVX-512 (fp32 weights for the embedded model), so what the tests read
+    does not depend on the machine; tests of the CPU defaults set the class they test."""
+    from localchat.planning import planner
+
+    monkeypatch.setattr(planner, "cpu_class", lambda: "AVX2")
+
+
 @pytest.fixture(scope="session")
 def tiny_tok():
     return tiny_tokenizer()

@@ -28,6 +28,12 @@ class ModelCard:
     shape: dict[str, Any]
     locret: dict[str, Any] = field(default_factory=dict)
     heads: dict[str, Any] = field(default_factory=dict)  # where trained retaining heads come from: shipped, or a release
+    precision: dict[str, Any] = field(default_factory=dict)  # [precision]: weights measured to answer as fp32 does
+
+    def held_weights(self, kind: str) -> tuple[str, ...]:
+        """The quantized weights whose answers were measured to hold against full precision for this model on
+        device `kind` ("cpu", "cuda"): the plan may pick the fastest of them."""
+        return tuple(self.precision.get(f"{kind}_held", ()))
 
     @property
     def heads_release(self) -> str | None:
@@ -55,6 +61,7 @@ def all_cards() -> tuple[ModelCard, ...]:
                     shape=data.get("shape", {}),
                     locret=data.get("locret", {}),
                     heads=data.get("heads", {}),
+                    precision=data.get("precision", {}),
                 )
             )
     return tuple(cards)

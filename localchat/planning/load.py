@@ -85,7 +85,7 @@ def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
     return engine
 
 
-def plan_loaded(engine: Engine, spec: RunSpec) -> RunSpec:
+def plan_loaded(engine: Engine, spec: RunSpec, say=lambda line: print(line, file=sys.stderr)) -> RunSpec:
     """Plan `spec` for the loaded `engine`: the free memory plus what its weights already take."""
     import torch
 
@@ -97,7 +97,7 @@ def plan_loaded(engine: Engine, spec: RunSpec) -> RunSpec:
     target = Target(usable, f"free on {device.describe()}", device.kind)
     fixed = fixed_fields(spec) | {"weights"}  # loaded: the weights are what they are
     return plan_spec(spec, shape, engine.card, target, fixed=fixed, weights_exact=weights, act=act,
-                     say=lambda line: print(line, file=sys.stderr))
+                     say=say)
 
 
 def admit(engine: Engine, prompt_units: int, max_new: int, held: int = 0) -> None:
@@ -116,16 +116,52 @@ def admit(engine: Engine, prompt_units: int, max_new: int, held: int = 0) -> Non
     off = p.offloaded_layers(depth) if kind == "cuda" else 0
     on_device, in_host = split_bytes(unit, depth, off, prompt_units, max_new, held)
     free = memory.detect(kind).free - DEFAULT_MARGIN[kind]  # the module's, so tests can stand in a device
+    bounded = bounded_choice(engine)
     if on_device > free:
         where = f" on the GPU ({off} offloaded layers' share goes to host memory)" if off else ""
         raise UserError(f"{p.name} keeps every token: {new_units:,} more need {on_device / GIB:.1f} GiB{where} "
-                        f"but {max(free, 0) / GIB:.1f} GiB is free (after a margin); use --policy locret "
-                        f"(a bounded cache) or a shorter document")
+                        f"but {max(free, 0) / GIB:.1f} GiB is free (after a margin); use {bounded} or a shorter "
+                        f"document")
     host_free = memory.detect("cpu").free - DEFAULT_MARGIN["cpu"] if off else 0
     if off and in_host > host_free:
         raise UserError(f"{p.name} --offload keeps {off} layers in host memory: {prompt_units:,} more tokens need "
                         f"{in_host / GIB:.1f} GiB there but {max(host_free, 0) / GIB:.1f} GiB is free; "
-                        f"use --policy locret (a bounded cache) or a shorter document")
+                        f"use {bounded} or a shorter document")
+
+
+def fit_document(engine: Engine, spec: RunSpec, tokens: int, held: int = 0) -> RunSpec | None:
+    """Where full attention was only the default (no trained heads) and cannot hold `tokens` more in the memory
+    found, the spec of NO_HEADS_POLICY planned for the loaded model (what `ask` chooses before loading, for a
+    document given later: the chat window's); None where nothing needs to change."""
+    from localchat.engine.policies import NO_HEADS_POLICY
+    from localchat.planning.resolve import with_policy
+
+    if engine.policy.bounded() or not str(spec.sources.get("policy", "")).startswith("default"):
+        return None
+    try:
+        admit(engine, tokens, spec.generation.max_new_tokens, held)
+        return None
+    except UserError:
+        pass
+    bounded = with_policy(spec, engine.card, engine.device.type, NO_HEADS_POLICY)
+    bounded = replace(bounded, sources={**bounded.sources, "policy": "default (no trained heads, long document)"})
+    try:
+        return plan_loaded(engine, bounded, say=lambda line: None)
+    except UserError:  # not even a bounded cache fits: the turn's own refusal says why
+        return None
+
+
+def bounded_choice(engine: Engine) -> str:
+    """The bounded policy to name to a user whose document does not fit: LOCRET where trained heads exist for the
+    model, else the best policy without heads."""
+    from localchat.engine.policies import NO_HEADS_POLICY
+    from localchat.planning.resolve import shipped_heads_dir
+
+    card = engine.card
+    if card is not None and (card.heads_release or shipped_heads_dir(card)):
+        return "--policy locret (a bounded cache)"
+    return (f"--policy {NO_HEADS_POLICY} (a bounded cache; no trained heads exist for this model: "
+            f"`localchat train-heads` makes them)")
 
 
 def load_measured(spec: RunSpec) -> tuple[Engine, int]:

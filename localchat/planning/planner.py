@@ -4,8 +4,11 @@ plan against a real chunk.
 
 Precision, where the user did not fix it: the highest quality that keeps the target budget. Each step down
 has a quality cost (WEIGHT_COST, KV_COST: int8 is close to lossless, 4 bits costs more, a 2-bit cache the
-most); the cheapest combination that fits wins, the higher weights precision on a tie. When none keeps the
-target, the one with the largest budget. A 2-bit cache only when nothing else fits at all.
+most); the cheapest combination that fits wins, the higher weights precision on a tie. Speed counts where
+quality does not: weights whose answers were measured to match full precision for the model (its card's
+[precision]) rank with full precision, the fastest first (DECODE_SPEED, or a tuned profile's measurement).
+When none keeps the target, the one with the largest budget (for a policy that keeps the whole prompt, the
+one that holds the longest document). A 2-bit cache only when nothing else fits at all.
 
 `make_plan` is arithmetic only (no weights are loaded); `verify` runs one chunk on a full cache with the
 loaded engine, reads the real peak, and shrinks the chunk (then the budget) while it does not fit.
@@ -30,6 +33,25 @@ KV_CHOICES = ("none", "int8", "int4", "int2")
 WEIGHT_COST = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "nf4": 3, "int4": 3}
 KV_COST = {"none": 0, "fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "int4": 2, "int2": 5}
 FLOATS = ("fp32", "bf16", "fp16")
+FOUR_BIT = ("int4", "nf4")
+# Decode speed by weights relative to fp32 on a CPU, by its vector unit, where no tuned profile measured this
+# machine (SmolLM2, LOCRET b=1024, 2 threads). The packed int8/int4 kernels and the bf16 prefill they use are
+# fast with AVX-512 and slower than fp32 without it. AVX-512: bench/results/cpu-decode/decode.md (after a 7.7K
+# document); AVX2: bench/results/cpu-defaults-avx2/decode/ (after 2K).
+DECODE_SPEED = {"AVX512": {"fp32": 1.0, "int8": 3.47, "int4": 4.08},
+                "AVX2": {"fp32": 1.0, "int8": 0.7, "int4": 0.6}}
+
+
+def cpu_class() -> str:
+    """This CPU's vector unit as torch's kernels use it: "AVX512", "AVX2", or "DEFAULT" (others)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def decode_speed(kind: str) -> dict[str, float]:
+    """DECODE_SPEED for this machine's CPU (empty on a GPU, or a CPU not measured)."""
+    return dict(DECODE_SPEED.get(cpu_class(), {})) if kind == "cpu" else {}
 
 
 @dataclass
@@ -54,6 +76,8 @@ class Request:
     policy: object = None  # the Policy; its scoring may need memory of its own (Policy.score_bytes)
     host_memory: int | None = None  # bytes free in host memory, for layers the policy offloads there (OmniKV)
     doc_tokens: int = LONG_DOC  # the document to serve: a policy that keeps the whole prompt must hold it
+    held: tuple[str, ...] = ()  # quantized weights measured to answer as full precision does (the model card)
+    speed: dict[str, float] = field(default_factory=dict)  # decode speed by weights (relative or tokens/s)
     kind: str = "cuda"  # the device kind the plan is for (make_plan sets it)
 
     def kv_dtype(self) -> str:
@@ -213,12 +237,26 @@ def _chunk_order(req: Request) -> list[int]:
 
 
 def precision_choices(req: Request) -> list[tuple[str, str]]:
-    """(weights, kv) pairs the plan may use, best quality first (a fixed one is the only choice on its side)."""
+    """(weights, kv) pairs the plan may use, best first (a fixed one is the only choice on its side): by quality
+    cost, except that weights measured to answer as full precision does rank as full precision, the fastest
+    first, where speeds are known."""
     weights = [req.weights] if req.weights else list(WEIGHT_CHOICES.get(req.kind, WEIGHT_CHOICES["cpu"]))
     kvs = [req.kv] if req.kv else list(KV_CHOICES)
     rank = {w: i for i, w in enumerate(weights)}
     pairs = [(w, k) for w in weights for k in kvs]
-    return sorted(pairs, key=lambda p: (WEIGHT_COST.get(p[0], 0) + KV_COST.get(p[1], 0), rank[p[0]]))
+
+    def key(pair: tuple[str, str]) -> tuple:
+        w, k = pair
+        if _speed_first(req, w):
+            return 0, KV_COST.get(k, 0), -req.speed.get(w, 0.0), rank[w]
+        return 1 if req.held and req.speed else 0, WEIGHT_COST.get(w, 0) + KV_COST.get(k, 0), rank[w]
+
+    return sorted(pairs, key=key)
+
+
+def _speed_first(req: Request, weights: str) -> bool:
+    """Whether `weights` ranks by speed: full precision, or measured to answer as it does (with speeds known)."""
+    return bool(req.held and req.speed) and (weights in FLOATS or weights in req.held)
 
 
 def _label(weights: str, kv: str) -> str:
@@ -262,8 +300,8 @@ def _make_plan(shape: Shape, memory: int, req: Request, kind: str, memory_source
         raise UserError(f"{shape.name} does not fit in {memory / GIB:.1f} GiB even with {_label(w, k)}: the weights "
                         f"alone take {e.weights / GIB:.1f} GiB (+ margin {e.margin / GIB:.1f} GiB); try a smaller model")
     plan = plans[-1]
-    if not _keeps_target(plan):  # none keeps the target: the largest budget
-        plan = max(plans, key=lambda p: p.budget)
+    if not _keeps_target(plan):  # none keeps the target: the largest budget, or the longest document held
+        plan = max(plans, key=lambda p: (p.max_document() or 0) if req.holds_prompt else p.budget)
     plan.chosen = chosen
     plan.precision = _why(shape, plan, main, memory)
     return plan
@@ -292,8 +330,8 @@ def _target(shape: Shape, req: Request) -> int:
 
 def _keeps_target(plan: Plan) -> bool:
     r = plan.request
-    if r.holds_prompt and (plan.max_document() or 0) < r.doc_tokens:
-        return False
+    if r.holds_prompt:  # a policy that keeps every token: the document is the target, not a budget
+        return (plan.max_document() or 0) >= r.doc_tokens
     return plan.budget >= _target(plan.shape, r) // 64 * 64
 
 
@@ -302,10 +340,26 @@ def _why(shape: Shape, plan: Plan, pairs: list[tuple[str, str]], memory: int) ->
     r = plan.request
     pair = (r.weights, r.kv)
     index = pairs.index(pair)
-    goal = f"budget {plan.budget:,}" if _keeps_target(plan) else f"the largest budget ({plan.budget:,})"
+    if r.holds_prompt:
+        doc = plan.max_document() or 0
+        goal = f"a {r.doc_tokens:,}-token document" if doc >= r.doc_tokens else f"the longest document ({doc:,} tokens)"
+    else:
+        goal = f"budget {plan.budget:,}" if _keeps_target(plan) else f"the largest budget ({plan.budget:,})"
+    if r.weights in r.held and _speed_first(r, r.weights):
+        base = r.speed.get("fp32") or r.speed.get(r.act) or 0
+        faster = f", {r.speed[r.weights] / base:.1f}x fp32's decode speed" if base and r.weights in r.speed else ""
+        return [f"{_label(*pair)}: measured to answer as full precision does for this model, and the fastest that "
+                f"keeps {goal}{faster} (--weights fp32 for full precision)"]
     if index == 0:
         return [f"{_label(*pair)}: the highest quality, and it keeps {goal}"]
     up = pairs[index - 1]
+    if r.holds_prompt:
+        try:
+            above = _plan_at(shape, memory, r.at(*up)).max_document() or 0
+        except UserError:
+            above = 0
+        return [f"{_label(*pair)}: the highest quality that keeps {goal} in {memory / GIB:.1f} GiB",
+                f"next step up: {_label(*up)} " + (f"would hold {above:,} tokens" if above else "does not fit")]
     need = _estimate(shape, r.at(*up), _target(shape, r), min(_chunk_order(r)), _margin(r)).total
     lines = [f"{_label(*pair)}: the highest quality that keeps {goal} in {memory / GIB:.1f} GiB",
              f"next step up: {_label(*up)} would need {need / GIB:.1f} GiB at budget {_target(shape, r):,} "
@@ -352,8 +406,10 @@ def _plan_at(shape: Shape, memory: int, req: Request, *, memory_source: str = ""
         budget = largest_budget(target)
         if budget < 1:
             e = _estimate(shape, req, 0, smallest, margin)
+            step = ("try a smaller model" if req.weights in FOUR_BIT else
+                    f"try 4-bit weights (--weights {'nf4' if req.kind == 'cuda' else 'int4'}) or a smaller model")
             raise UserError(f"{shape.name} does not fit in {memory / GIB:.1f} GiB: weights {e.weights / GIB:.1f} GiB"
-                            f" + margin {e.margin / GIB:.1f} GiB; try 4-bit weights or a smaller model")
+                            f" + margin {e.margin / GIB:.1f} GiB; {step}")
         budget = budget // 64 * 64 if budget >= 128 else budget  # round to a tidy figure
     chunk = next((c for c in chunks if fits(budget, c)), None)
     if chunk is None:

@@ -19,12 +19,12 @@ from typing import Any
 from localchat.config import PolicySpec, RunSpec
 from localchat.engine.cards import DEFAULT_CHUNK, ModelCard, default_card, find_card
 from localchat.engine.heads import WEIGHTS as HEADS_FILE
-from localchat.engine.policies import DEFAULT_POLICY, PLAIN_POLICY, POLICIES, policy_class
+from localchat.engine.policies import DEFAULT_POLICY, NO_HEADS_POLICY, PLAIN_POLICY, POLICIES, policy_class
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, Shape, detect, read_config
-from localchat.planning.planner import DEFAULT_MARGIN, Plan, Request, make_plan
+from localchat.planning.planner import DEFAULT_MARGIN, DEFAULT_TARGET, LONG_DOC, Plan, Request, decode_speed, make_plan
 
 RANDOM_HEADS_D_R = 1024  # RetainingHeads.random's d_R (the paper's)
 POLICY_FIELDS = ("budget", "local", "decode_window", "heads")  # every policy's, besides its own options
@@ -233,9 +233,12 @@ def _from_card(spec: RunSpec, key: str) -> bool:
 
 
 def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set[str] = frozenset(),
-                 measured: dict | None = None, weights_exact: int | None = None, act: str | None = None) -> Request:
+                 measured: dict | None = None, weights_exact: int | None = None, act: str | None = None,
+                 doc_tokens: int | None = None) -> Request:
     """What the planner is asked for `spec`: the fields in `fixed` are the user's (the plan must keep them); a
-    budget or chunk from the model card is the most the plan may choose; any other is the plan's to choose."""
+    budget or chunk from the model card is the most the plan may choose; any other is the plan's to choose.
+    `doc_tokens`: the document to read, where known (a policy that keeps every token must hold it; unknown, it
+    aims for DEFAULT_TARGET tokens)."""
     p = spec.policy
     cls = p.cls
     act = act or ("bf16" if kind == "cuda" else "fp32")
@@ -243,22 +246,25 @@ def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set
     if "heads" in cls.fields():
         found = spec.heads_dir if isinstance(spec.heads_dir, Path) else heads_dir_for(p, card)
         d_r = RANDOM_HEADS_D_R if p.heads == "random" else heads_d_r(found) or RANDOM_HEADS_D_R
-    throughput = {}
+    throughput, speed = {}, decode_speed(kind)
     if measured:
         throughput = {int(c): float(t) for c, t in zip(measured.get("chunks", []), measured.get("tokens_per_s", []))}
+        speed = {str(w): float(t) for w, t in (measured.get("decode_tokens_per_s") or speed).items()}
     offload = bool(p.param("offload"))
     policy = cls(**{k: v for k, v in p.settings().items() if k != "heads"}) if cls.uses_budget() else cls()
     weights = (spec.weights or act) if "weights" in fixed else None
     return Request(
         budget=p.budget if "budget" in fixed else None, chunk=spec.chunk if "chunk" in fixed else None,
         local=p.local, max_new=spec.generation.max_new_tokens, weights=weights,
-        kv=(spec.kv or "none") if "kv" in fixed else None, act=act, d_r=d_r,
+        kv=(spec.kv or "none") if "kv" in fixed or not cls.bounded() else None, act=act, d_r=d_r,
         margin=spec.margin_mib * MIB if spec.margin_mib is not None else None,
         target=p.budget if _from_card(spec, "budget") else None,
         card_chunk=spec.chunk if _from_card(spec, "chunk") else None,
         compact=p.positions == "compact" and cls.bounded(), holds_prompt=None if cls.bounded() else p.name,
         policy=policy, throughput=throughput, weights_exact=weights_exact,
         host_memory=detect("cpu").free - DEFAULT_MARGIN["cpu"] if offload else None,
+        doc_tokens=doc_tokens or (LONG_DOC if cls.bounded() else DEFAULT_TARGET),
+        held=card.held_weights(kind) if card is not None else (), speed=speed,
     )
 
 
@@ -306,11 +312,12 @@ def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
 
 def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | None = None,
             target: Target | None = None, plan: bool = True, quiet: bool = False,
-            saved: dict[str, Any] | None = None, saved_label: str = "saved chat") -> RunSpec:
+            saved: dict[str, Any] | None = None, saved_label: str = "saved chat",
+            doc_tokens: int | None = None) -> RunSpec:
     """The RunSpec for command-line `flags` (key -> value; None = not given). `saved`: a saved chat's settings
     (`saved_flags`), below the flags and above everything else. `target`: plan for this memory instead of what is
     free on `device` (this machine by default). `plan=False`: no memory plan (a model whose shape is unknown
-    until it loads is planned then, by planning/load.py)."""
+    until it loads is planned then, by planning/load.py). `doc_tokens`: the document about to be read (complete)."""
     env = os.environ if env is None else env
     device = device or detect()
     saved = still_saved(saved or {}, flags)
@@ -352,7 +359,7 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
                    asked=tuple((k, v) for k, v in given.items() if k in ("positions", *POLICY_FIELDS, *option_keys())),
                    sources={**sources, "profile": r.profile_source, **{f"asked.{k}": given_from[k] for k in given}},
                    card=card)
-    return complete(spec, target, quiet=quiet) if plan else spec
+    return complete(spec, target, quiet=quiet, doc_tokens=doc_tokens) if plan else spec
 
 
 # --- a saved chat's settings ---------------------------------------------------------------------------------------
@@ -397,25 +404,48 @@ def changed_settings(saved: dict[str, Any], spec: RunSpec) -> list[str]:
     return [f"{k} {saved.get(k, 'default')} -> {now.get(k, 'default')}" for k in keys if saved.get(k) != now.get(k)]
 
 
-def complete(spec: RunSpec, target: Target | None = None, *, quiet: bool = False) -> RunSpec:
-    """`spec` with its memory plan (for a policy the budget bounds), from the model's shape read without its
-    weights. A model whose shape is unknown until it loads stays unplanned: planning/load.py plans it then."""
-    if spec.plan is not None or not spec.policy.cls.bounded():
+def complete(spec: RunSpec, target: Target | None = None, *, quiet: bool = False,
+             doc_tokens: int | None = None) -> RunSpec:
+    """`spec` with its memory plan, from the model's shape read without its weights: the precision for every
+    policy; the budget and chunk for a policy the budget bounds. A model whose shape is unknown until it loads
+    stays unplanned (planning/load.py plans it then). `doc_tokens`: the document about to be read, where known:
+    when full attention was only the default (no trained heads) and cannot hold it, the default becomes
+    NO_HEADS_POLICY, said in one line."""
+    if spec.plan is not None:
         return spec
     try:
         shape, card = model_facts(spec.model)
     except UserError:
         return spec
     measured = profiles.find(spec.profile).meta.get("measured") if spec.profile else None
-    return plan_spec(spec, shape, card, target or Target.of(detect()), fixed=fixed_fields(spec), measured=measured,
-                     say=None if quiet else (lambda line: print(line, file=sys.stderr)))
+    target = target or Target.of(detect())
+    say = None if quiet else (lambda line: print(line, file=sys.stderr))
+    planned = plan_spec(spec, shape, card, target, fixed=fixed_fields(spec), measured=measured, say=say,
+                        doc_tokens=doc_tokens)
+    held = planned.plan.max_document() if not spec.policy.cls.bounded() else None
+    if held is None or not doc_tokens or held >= doc_tokens or not _default(spec, "policy"):
+        return planned
+    bounded = with_policy(spec, card, target.kind, NO_HEADS_POLICY)
+    bounded = replace(bounded, sources={**bounded.sources, "policy": "default (no trained heads, long document)"})
+    if say is not None:
+        say(f"localchat: full attention holds {held:,} tokens in {target.memory / GIB:.1f} GiB and the document has "
+            f"about {doc_tokens:,}: reading it with {NO_HEADS_POLICY}, the best policy without trained heads in "
+            f"this project's benchmarks (a bounded cache). Trained heads keep more: `localchat train-heads`, or an "
+            f"official LOCRET release, then --policy locret")
+    return plan_spec(bounded, shape, card, target, fixed=fixed_fields(bounded), measured=measured, say=say)
+
+
+def _default(spec: RunSpec, key: str) -> bool:
+    """Whether `key` was left to its default (no flag, chat, environment, profile or card set it)."""
+    return str(spec.sources.get(key, "default")).startswith("default")
 
 
 def plan_spec(spec: RunSpec, shape: Shape, card: ModelCard | None, target: Target, *, fixed: set[str],
               measured: dict | None = None, weights_exact: int | None = None, act: str | None = None,
-              say=None) -> RunSpec:
+              say=None, doc_tokens: int | None = None) -> RunSpec:
     """Plan `spec` for `target` and apply what the plan lowered."""
-    req = plan_request(spec, card, target.kind, fixed=fixed, measured=measured, weights_exact=weights_exact, act=act)
+    req = plan_request(spec, card, target.kind, fixed=fixed, measured=measured, weights_exact=weights_exact, act=act,
+                       doc_tokens=doc_tokens)
     plan = make_plan(shape, target.memory, req, kind=target.kind, memory_source=target.source)
     return apply_plan(spec, plan, fixed, say=say)
 

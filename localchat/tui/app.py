@@ -92,6 +92,22 @@ class LocalChatApp(App):
 
         self._use_spec(with_policy(self.spec, self.engine.card, self.engine.device.type, name, budget=budget))
 
+    def fit_document(self, text: str) -> str | None:
+        """A document (`text`) longer than the default full attention holds turns the chat to the bounded policy
+        without heads; the line that says so, else None."""
+        from localchat.engine.policies import NO_HEADS_POLICY
+        from localchat.planning.load import fit_document
+
+        if self.spec is None:
+            return None
+        spec = fit_document(self.engine, self.spec, self.engine.count_tokens(text), self.session.kv_units)
+        if spec is None:
+            return None
+        self._use_spec(spec)
+        return (f"full attention cannot hold this document in the memory found: reading it with "
+                f"{NO_HEADS_POLICY}, the best policy without trained heads in this project's benchmarks (a bounded "
+                f"cache). Trained heads keep more: `localchat train-heads`, then /policy locret")
+
     def _use_spec(self, spec: RunSpec) -> None:
         from localchat.planning.load import use_spec
 

@@ -161,6 +161,7 @@ def test_policies_that_keep_every_token_are_refused_what_memory_cannot_hold(tiny
         events = _events(tiny_engine, text)
         assert len(events) == 1 and isinstance(events[0], Error)
         assert events[0].message.startswith(f"{name} keeps every token: {units:,} more need")
+        assert "use --policy sirllm" in events[0].message  # no trained heads for this model: not locret
     tiny_engine.set_policy(make_policy("streaming", budget=16))  # a bounded cache is not refused
     assert isinstance(_events(tiny_engine, text)[-1], Done)
     free["bytes"] += unit

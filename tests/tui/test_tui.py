@@ -511,3 +511,30 @@ def test_offload_from_the_flags_follows_only_omnikv(tiny_engine):
 
     asked = RunSpec(policy=PolicySpec("full"), asked=(("offload", True),))  # `localchat --offload`
     run(scenario, make_app(tiny_engine, spec=asked))
+
+
+def test_a_document_full_attention_cannot_hold_turns_the_default_to_the_bounded_policy(tiny_engine, tmp_path,
+                                                                                       monkeypatch):
+    """A model without trained heads on the default full attention, a document longer than the memory found
+    holds: the window reads it with the bounded policy without heads, says so in one note, and answers."""
+    from localchat.config import PolicySpec, RunSpec
+    from localchat.planning import load, memory
+
+    path = doc(tmp_path, "long.txt", 10000)
+    monkeypatch.setattr(tiny_engine, "admit", load.admit)  # what planning/load.py installs on every engine it loads
+    assert tiny_engine.count_tokens(path.read_text()) > 8000
+    unit = memory.kv_unit_bytes(memory.Shape.from_config(tiny_engine.model.config), "fp32")
+    device = memory.Device("cpu", "test", 2**40, 512 * memory.MIB + unit * 8000)  # ~8,000 tokens of K/V
+    monkeypatch.setattr(memory, "detect", lambda kind=None: device)
+    default = RunSpec(policy=PolicySpec("full"), sources={"policy": "default"})
+
+    async def scenario(app, pilot):
+        await paste(pilot, str(path))
+        await settle(pilot)
+        await type_text(pilot, "what is the pass key?")
+        await settle(pilot, timeout=300)  # ~10K tokens read
+        assert errors(app) == [] and len(answers(app)) == 1 and tiny_engine.policy.name == "sirllm"
+        assert [n for n in notes(app) if "reading it with sirllm" in n and "localchat train-heads" in n]
+        assert app.spec.policy.name == "sirllm" and app.spec.sources["policy"].startswith("default (no trained")
+
+    run(scenario, make_app(tiny_engine, spec=default))

@@ -32,6 +32,10 @@ def _policy_in(module: str) -> type[Policy]:
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in map(_policy_in, MODULES)}
 DEFAULT_POLICY = "locret"  # where its retaining heads ship for the model (or --heads is given)
 PLAIN_POLICY = "full"  # otherwise: nothing evicted
+# Where no trained heads exist and full attention cannot hold the document: the best training-free bounded policy
+# of this project's benchmarks (SmolLM2: passkey 20/20 at 32K and 10/10 at 128K, first of the bounded policies
+# without heads at 4K and 7.7K; bench/results/grid-smollm2-cpu/, grid-smollm2-cpu-long/, all-policies-4k-*).
+NO_HEADS_POLICY = "sirllm"
 
 
 def policy_class(name: str) -> type[Policy]:

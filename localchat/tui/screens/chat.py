@@ -213,6 +213,9 @@ class ChatScreen(CommandHandlers, Attachments, SavedChats, Screen):
         try:
             with app.engine_lock:
                 shown = 0.0
+                switched = app.fit_document("".join(d.text for d, _ in turn.documents)) if turn.documents else None
+                if switched:
+                    self.post_message(EngineEvent(Notice(switched)))
                 for event in app.session.send(turn.question, [d for d, _ in turn.documents], app.settings,
                                               turn.cancel):
                     if isinstance(event, Progress):  # at most 10 redraws a second keep the keys snappy
