@@ -256,7 +256,7 @@ def measure_speed(engine, tokens: int, chunk: int, baseline: int | None = None) 
     return tokens / secs, peak
 
 
-def measure_decode(spec: RunSpec, choices: tuple[str, ...], prompt: int = 1024, new: int = 32) -> dict[str, float]:
+def measure_decode(spec: RunSpec, choices: tuple[str, ...], prompt: int = 256, new: int = 32) -> dict[str, float]:
     """Decode tokens/s after a `prompt`-token random prompt with each weights in `choices` (a load each)."""
     import gc
 
@@ -303,7 +303,7 @@ def run_tune(args) -> int:
         decode = measure_decode(spec, (before.request.act if before.kind == "cuda" else "fp32", *held))
         target = Target(before.memory, before.memory_source, before.kind)
         spec = plan_spec(replace(spec, plan=None), before.shape, spec.card, target, fixed=fixed_fields(spec),
-                         measured={"decode_tokens_per_s": decode})
+                         measured={f"decode_tps_{w}": v for w, v in decode.items()})
         before = spec.plan
     from localchat.planning.load import load_measured
     from localchat.planning.memory import dtype_name, model_bytes
@@ -335,7 +335,7 @@ def run_tune(args) -> int:
     speed = dict(zip(chunks, speeds)).get(after.chunk)
     measured = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "model": engine.name, "prompt_tokens": args.tokens,
-        "chunks": chunks, "tokens_per_s": speeds, "peak_mib": peaks, **({"decode_tokens_per_s": decode} if decode else {}),
+        "chunks": chunks, "tokens_per_s": speeds, "peak_mib": peaks, **{f"decode_tps_{w}": v for w, v in decode.items()},
         **_summary("before", before), **_summary("after", after),
         "torch": torch.__version__, "localchat": __version__, "threads": torch.get_num_threads(),
     }

@@ -249,7 +249,8 @@ def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set
     throughput, speed = {}, decode_speed(kind)
     if measured:
         throughput = {int(c): float(t) for c, t in zip(measured.get("chunks", []), measured.get("tokens_per_s", []))}
-        speed = {str(w): float(t) for w, t in (measured.get("decode_tokens_per_s") or speed).items()}
+        tuned = {k.removeprefix("decode_tps_"): float(v) for k, v in measured.items() if k.startswith("decode_tps_")}
+        speed = tuned or speed  # this machine's own measurement (profile tune) over the built-in table
     offload = bool(p.param("offload"))
     policy = cls(**{k: v for k, v in p.settings().items() if k != "heads"}) if cls.uses_budget() else cls()
     weights = (spec.weights or act) if "weights" in fixed else None

@@ -125,3 +125,23 @@ def test_the_cpu_default_is_the_fastest_precision_measured_to_hold_on_this_cpu(c
         assert "4.1x fp32's decode speed" in printed["precision_why"][0]
     assert main(["--weights", "fp32", "plan", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["spec"]["weights"] == "fp32"
+
+
+@pytest.mark.slow  # three loads of the model and a decode at each precision: minutes on 2 cores
+@pytest.mark.model
+def test_profile_tune_measures_decode_speed_per_precision_and_saves_the_fastest(tmp_path, capsys, monkeypatch):
+    """On the embedded model (its card measured int4 to answer as fp32 does): tune decodes with fp32 and int4 on
+    this machine and the saved profile keeps the faster, whatever the built-in table says of this CPU."""
+    from localchat.planning import profiles
+
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    assert main(["profile", "tune", "--tokens", "256", "--chunks", "256", "--name", "here"]) == 0, \
+        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "decode  fp32:" in err and "decode  int4:" in err
+    saved = profiles.find("here")
+    speeds = {k.removeprefix("decode_tps_"): v for k, v in saved.meta["measured"].items() if k.startswith("decode_tps")}
+    assert set(speeds) == {"fp32", "int4"} and min(speeds.values()) > 0
+    assert saved.values["weights"] == max(speeds, key=speeds.get)
+    assert main(["--profile", "here", "plan", "--json"]) == 0  # a run with the profile loads them
+    assert json.loads(capsys.readouterr().out)["spec"]["weights"] == max(speeds, key=speeds.get)
