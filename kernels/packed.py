@@ -10,7 +10,7 @@ bits a step reads 4x or 8x fewer bytes than fp32. Two kernels of torch's CPU bac
 
 Those are matrix-vector kernels: their time grows with the rows, and at a prefill chunk of 512 rows they are no
 faster than fp32. A step of more than VECTOR_ROWS[bits] rows dequantizes the weight to bf16 and runs one bf16
-matmul instead (for 512 x 576 x 1536 on one core: fp32 10.2 ms, int8 5.1 ms, int4 7.3 ms, of which dequantizing
+matmul instead (where bf16 products are native, AVX-512; elsewhere in the input's dtype, as torch emulates bf16) (for 512 x 576 x 1536 on one core: fp32 10.2 ms, int8 5.1 ms, int4 7.3 ms, of which dequantizing
 0.3 / 1.4 ms); the thresholds are where the two ways cost the same on this 2-core EPYC (bench/results/cpu-decode/). Outputs are cast back to the input's dtype, so the rest of the
 model keeps its own (fp32 on a CPU).
 
@@ -63,8 +63,10 @@ class PackedLinear(nn.Module):
                 y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.codes, GROUP, self.scales)
-        else:
+        elif bf16_products_fast():
             y = nn.functional.linear(flat, self.dequantized())
+        else:  # torch emulates bf16 products without AVX-512: the input's own dtype (fp32) is ~8x faster there
+            y = nn.functional.linear(x.reshape(-1, self.in_features), self.dequantized().to(x.dtype))
         if y.shape[-1] != self.out_features:  # int4 rows padded to whole blocks
             y = y[:, : self.out_features]
         y = y.to(x.dtype)
@@ -84,6 +86,12 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+@functools.cache
+def bf16_products_fast() -> bool:
+    """Whether a bf16 matrix product is native here (AVX-512), not emulated (bench/results/cpu-defaults-avx2/)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def fits_int4(in_features: int) -> bool:

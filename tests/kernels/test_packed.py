@@ -70,3 +70,19 @@ def test_pack_model_replaces_every_linear_but_the_skipped():
     assert pack_model(model, 4, skip=("head",)) == 2
     assert [type(m).__name__ for m in (model[0], model[2][0], model.head)] == ["PackedLinear", "PackedLinear", "Linear"]
     assert model(torch.randn(3, 64)).shape == (3, 8)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_chunk_is_multiplied_in_bf16_only_where_bf16_products_are_native(bits, monkeypatch):
+    """More rows than VECTOR_ROWS: one product with the dequantized weight, in bf16 on AVX-512 and in the input's
+    dtype elsewhere (torch emulates bf16 there, ~8x slower than fp32)."""
+    from localchat.kernels import packed
+
+    layer = PackedLinear(nn.Linear(64, 96, bias=True), bits)
+    x = torch.randn(VECTOR_ROWS[bits] + 1, 64, generator=torch.Generator().manual_seed(3))
+    w, b = layer.dequantized(), layer.bias
+    for native in (True, False):
+        monkeypatch.setattr(packed, "bf16_products_fast", lambda native=native: native)
+        y = layer(x)
+        want = nn.functional.linear(x.bfloat16(), w).float() if native else nn.functional.linear(x, w.float())
+        assert y.dtype == torch.float32 and torch.equal(y, want[:, :96] + b)
