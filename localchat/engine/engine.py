@@ -24,7 +24,7 @@ from localchat.engine.qattention import FusedDecode
 from localchat.engine.qcache import KV_CHOICES, RESIDUAL, QuantizedKVCache, kv_bits
 from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
 from localchat.engine.rope import rope_inv_freq
-from localchat.engine.sampling import GenerationSettings, pick_token
+from localchat.engine.sampling import GenerationSettings, StopText, pick_token
 from localchat.errors import UserError
 from localchat.kernels import cpu_decode
 
@@ -202,6 +202,7 @@ class Engine:
         attached = True
         focus = _Focus(self.model, cache, p, n, max_new)
         answer: list[int] = []
+        stop = StopText(settings.stop) if settings.stop else None
         try:
             if p.evicts and cache.get_seq_length() > p.budget:  # an earlier turn: compress the history
                 evict(cache, p, last_chunk=True)
@@ -237,8 +238,11 @@ class Engine:
                 new += 1
                 if new == 1:
                     ttft = time.perf_counter() - t0
-                yield Token(decoder.push(tok), tok)
-                if new == max_new and not keep_last:
+                piece = decoder.push(tok)
+                yield Token(stop.push(piece) if stop is not None else piece, tok)
+                if stop is not None and stop.hit:
+                    reason = "stop"
+                if (new == max_new or reason == "stop") and not keep_last:
                     break
                 step = torch.tensor([[tok]], device=self.device)
                 logits = lean.step(step, pos) if lean is not None else forward(self.model, target, step, pos)
@@ -247,6 +251,10 @@ class Engine:
                     p.observe(cache, 1, step)  # answer tokens get scores too (multi-turn keeps them)
                     evict_while_decoding(cache, p)
                 pos += 1
+                if reason == "stop":  # the stop sequence's tokens are in the cache; the text ends before it
+                    break
+            if stop is not None and not stop.hit and stop.held:
+                yield Token(stop.flush(), -1)
             if target is not cache and answer and keep_last:  # a chat's next turn starts from the cache: feed the answer
                 p.attach(self.model, cache)
                 attached = True
@@ -269,7 +277,7 @@ class Engine:
                 p.detach()
         held = cache.get_seq_length()
         yield Done(
-            text=decoder.text(), prompt_tokens=n, new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
+            text=decoder.text() if stop is None else stop.shown + stop.held, prompt_tokens=n, new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
             ttft_s=ttft, stop_reason=reason, kv_tokens=held, kv_bytes=cache.nbytes(),
             kv_full_bytes=_unit_bytes(cache, held) * (first_pos + n + max(new - 1, 0)),
         )

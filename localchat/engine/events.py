@@ -32,7 +32,7 @@ class Done:
     prefill_s: float
     decode_s: float
     ttft_s: float
-    stop_reason: str  # "eos" | "length" | "cancelled"
+    stop_reason: str  # "eos" | "stop" (a stop sequence) | "length" | "cancelled"
     kv_tokens: int  # cache units per KV head per layer at the end
     kv_bytes: int
     kv_full_bytes: int = 0  # what an uncompressed cache would hold for the same tokens

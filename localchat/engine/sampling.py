@@ -14,6 +14,7 @@ class GenerationSettings:
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False  # benchmarks: always write max_new_tokens
+    stop: tuple[str, ...] = ()  # the answer ends before the first of these strings (which is not shown)
 
     def validate(self) -> None:
         from localchat.errors import UserError
@@ -24,6 +25,39 @@ class GenerationSettings:
             raise UserError(f"--temperature must be >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if any(not s for s in self.stop):
+            raise UserError("a stop sequence is empty; give non-empty strings")
+
+
+class StopText:
+    """Streamed answer text cut before the first stop sequence: `push(piece)` returns what may be shown now and
+    holds back a tail that could be the start of a stop sequence; `hit` says one was found."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.held = ""
+        self.shown = ""
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        text = self.held + piece
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.hit, self.held = True, ""
+            return self._show(text[:min(found)])
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(text)) + 1) if text.endswith(s[:k])),
+                   default=0)
+        self.held = text[len(text) - keep:]
+        return self._show(text[:len(text) - keep])
+
+    def flush(self) -> str:
+        """The text held back, once the answer has ended without a stop sequence."""
+        rest, self.held = self.held, ""
+        return self._show(rest)
+
+    def _show(self, text: str) -> str:
+        self.shown += text
+        return text
 
 
 def pick_token(logits: torch.Tensor, settings: GenerationSettings, gen: torch.Generator | None) -> int:
