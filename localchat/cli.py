@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     from localchat.bench import cli as bench_cli
 
     bench_cli.add_parser(sub)
+    from localchat.server import serve
+
+    serve.add_parser(sub, _model_flags)
     return parser
 
 
@@ -381,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
             return profile_cli.run_plan(args) if args.command == "plan" else profile_cli.run_profile(args)
         if args.command == "sessions":
             return run_sessions(args)
+        if args.command == "serve":
+            from localchat.server import serve
+
+            return serve.run(args)
         if args.command == "bench":
             from localchat.bench import cli as bench_cli
 

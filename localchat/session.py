@@ -180,6 +180,13 @@ class Session:
         self.questions = list(questions)
         self._before_last = None
 
+    def extend(self, messages: list[dict]) -> None:
+        """Messages this session has not read yet (a client's history past what it holds): the next turn reads them
+        with its question, after what the cache already holds."""
+        self._state.messages = [*self.messages, *({"role": m["role"], "content": m["content"]} for m in messages)]
+        self.questions += [m["content"] for m in messages if m["role"] == "user"]
+        self._before_last = None
+
     def saved_text(self) -> str:
         """The conversation as the model has read it once the last answer is written: what a saved cache holds."""
         return self.engine.render(self._with_system(self.messages[:-1])) + self.messages[-1]["content"]

@@ -6,7 +6,7 @@ Every `import` counts, at the top of a file or inside a function. Layers, bottom
   engine    localchat.engine: model, cache, prefill, policies
   planning  localchat.planning, localchat.config: device probes, memory model, planner, profiles, settings
   session   session, store (with its chat locks), render: a conversation over an engine, and its saving
-  app       cli, args, profile_cli, chat, tui, bench, train: the user interfaces, over the public API
+  app       cli, args, profile_cli, chat, tui, bench, train, server: the user interfaces, over the public API
 A module may import its own layer or any below it.
 """
 
@@ -26,7 +26,7 @@ LAYERS = [
     ("planning", ["localchat.planning", "localchat.config"]),
     ("session", ["localchat.session", "localchat.store", "localchat.render"]),
     ("app", ["localchat.cli", "localchat.args", "localchat.profile_cli", "localchat.chat", "localchat.tui",
-             "localchat.bench", "localchat.train", "localchat.__main__"]),
+             "localchat.bench", "localchat.train", "localchat.server", "localchat.__main__"]),
 ]
 PACKAGES = {"localchat": ROOT / "localchat", "localchat.kernels": ROOT / "kernels"}
 

@@ -117,6 +117,11 @@ class Store:
     def exists(self, name: str) -> bool:
         return rows.exists(self.db, name)
 
+    def messages(self, name: str) -> tuple[str | None, list[dict]]:
+        """Chat `name`'s system prompt and the role and text of its messages, without loading its cache."""
+        row = self.db.execute("SELECT system FROM chats WHERE name = ?", (name,)).fetchone()
+        return (row[0] if row else None), rows.held_messages(self.db, name)
+
     def delete(self, name: str) -> None:
         self.caches.remove(rows.delete(self.db, name))
 

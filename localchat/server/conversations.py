@@ -1,0 +1,142 @@
+"""The server's conversations: found by their messages, kept in memory up to a bound, saved in the store.
+
+Clients send the whole conversation with every request, and the answers back as text. A request whose earlier
+messages (roles and text, spaces around them aside) are those of a conversation the server holds continues that
+conversation's Session: its compressed cache is kept, and only what the conversation does not hold yet is read
+(the new question, and any turns the client added). A request whose history matches nothing starts a Session
+restored with that history, read once. Every answered turn is saved in the store (chats named `serve-...`), so a
+restarted server continues from the saved cache; at most `keep` Sessions stay in memory, the least recently used
+go first (they are saved already). A `conversation` name pins one: `serve-NAME`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from localchat.engine.events import Done, Error, Token
+from localchat.errors import UserError
+from localchat.server.turns import BadRequest, Turn
+from localchat.session import Session
+
+PREFIX = "serve-"
+
+
+def key(system: str | None, messages: list[dict]) -> str:
+    """What identifies a conversation: its system prompt and the role and text of each message."""
+    rows = ([["system", system.strip()]] if system else []) + [[m["role"], m["content"].strip()] for m in messages]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def split_system(messages: list[dict]) -> tuple[str | None, list[dict]]:
+    """The leading system messages, joined, and the rest."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    system = "\n\n".join(m["content"] for m in messages[:n]).strip()
+    return system or None, messages[n:]
+
+
+@dataclass
+class Answered:
+    """A turn's result: the final event, the conversation's name and the prompt tokens served from the cache."""
+
+    done: Done
+    name: str
+    cached: int
+
+
+class Conversations:
+    def __init__(self, store, engine, keep: int = 4):
+        self.store, self.engine, self.keep = store, engine, keep
+        self.live: OrderedDict[str, Session] = OrderedDict()
+        self.index: dict[str, list[str]] = {}  # key -> the conversations holding exactly those messages, newest last
+        self.keys: dict[str, str] = {}
+        for info in store.list():
+            if info.name.startswith(PREFIX):
+                self._index(info.name, key(*store.messages(info.name)))
+
+    def _index(self, name: str, k: str) -> None:
+        old = self.keys.get(name)
+        if old is not None and name in self.index.get(old, []):
+            self.index[old].remove(name)
+        self.keys[name] = k
+        self.index.setdefault(k, []).append(name)
+
+    def _session(self, name: str) -> Session | None:
+        """Conversation `name` from memory or the store (None when there is none)."""
+        session = self.live.pop(name, None)
+        if session is None and self.store.exists(name):
+            session, _ = self.store.load(name, self.engine)  # a cache that cannot be reused is re-read once
+        return session
+
+    def _hold(self, name: str, session: Session) -> None:
+        self.live[name] = session
+        self.live.move_to_end(name)
+        while len(self.live) > self.keep:
+            self.live.popitem(last=False)
+
+    def open(self, turn: Turn) -> Session:
+        """The Session that answers `turn` (its question not sent yet): continued, or new and restored."""
+        system, history = split_system(turn.messages[:-1])
+        if turn.conversation is not None:
+            name = PREFIX + turn.conversation
+            session = self._session(name)
+        else:
+            name, session = None, None
+            for n in range(len(history), 0, -1):  # the longest known beginning of the history
+                for candidate in reversed(self.index.get(key(system, history[:n]), [])):
+                    session = self._session(candidate)
+                    if session is not None:
+                        name = candidate
+                        break
+                if session is not None:
+                    break
+        if session is not None and _continues(session, system, history):
+            session.extend(history[len(session.messages):])
+            return session
+        if session is None or turn.conversation is None:
+            session = Session(self.engine, system=system, name=name if turn.conversation else None)
+            session.name = session.name or PREFIX + uuid.uuid4().hex[:12]
+        session.system = system  # a pinned conversation with another history: that history, read once
+        session.restore(history, [], [m["content"] for m in history if m["role"] == "user"])
+        return session
+
+    def answer(self, turn: Turn, cancel, put: Callable) -> Answered | None:
+        """Answer `turn`, passing each Token to `put`; save the turn. None when cancelled (nothing is kept)."""
+        session = self.open(turn)
+        put(session.name)  # the request's first item: which conversation answers
+        lock = self.store.chat_lock(session.name, "serve")
+        if not lock.try_acquire():
+            raise BadRequest(f"{lock.in_use()}; try again when it is done", "conversation", "conversation_in_use", 409)
+        try:
+            final = None
+            for event in session.send(turn.question, (), turn.settings, cancel):
+                if isinstance(event, Token):
+                    put(event)
+                elif isinstance(event, (Done, Error)):
+                    final = event
+            if isinstance(final, Error):
+                self.live.pop(session.name, None)
+                raise BadRequest(final.message, "messages", "context_length_exceeded") \
+                    if isinstance(final.exc, UserError) else RuntimeError(final.message)
+            if final is None or final.stop_reason == "cancelled":
+                self.live.pop(session.name, None)  # the store holds what it held before this turn
+                return None
+            self.store.save(session)
+        finally:
+            lock.release()
+        self._index(session.name, key(session.system, session.messages))
+        self._hold(session.name, session)
+        return Answered(final, session.name, max(0, session.fed - final.prompt_tokens - final.new_tokens))
+
+
+def _continues(session: Session, system: str | None, history: list[dict]) -> bool:
+    """Whether `history` is the session's messages and, maybe, more after them."""
+    held = session.messages
+    return (session.system or None) == (system or None) and len(held) <= len(history) and \
+        key(None, held) == key(None, history[:len(held)])
