@@ -18,7 +18,7 @@ def serve(tiny_tok, tmp_path):
     running = []
 
     def start(engine=None, defaults=GenerationSettings(max_new_tokens=12), **kw):
-        engine = engine or Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", chunk=64)
+        engine = engine or Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", chunk=512)
         (tmp_path / "data").mkdir(mode=0o700, exist_ok=True)
         store = Store(tmp_path / "data" / "chats.sqlite3")
         service = Service(engine, store, defaults=defaults, **kw).start()

@@ -8,7 +8,7 @@ import pytest
 from localchat.server.app import HEADER
 from localchat.server.conversations import PREFIX
 
-DOC = "The harbour opens at dawn. " * 40 + "The pass key is 48213. " + "Boats leave at noon. " * 40
+DOC = "The harbour opens at dawn. " * 12 + "The pass key is 48213. " + "Boats leave at noon. " * 12
 
 
 def client(service, **kw):
