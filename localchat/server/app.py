@@ -192,8 +192,8 @@ async def _sse(state: State, turn: Turn, answer: Answer, item) -> AsyncIterator[
 
 
 async def ollama_chat(request: Request) -> Response:
-    state, turn, answer, first = await _start(request, ollama.parse)
     started = time.perf_counter()
+    state, turn, answer, first = await _start(request, ollama.parse)
     if not turn.stream:
         text, result = await _text_until_end(answer, first)
         if result is None:

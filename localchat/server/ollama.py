@@ -56,10 +56,10 @@ def final(model: str, done: Done, text: str, started: float) -> dict:
 class Facts:
     """What /api/tags and /api/show say of the one resident model."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, name: str):
         config = engine.model.config
         params = list(engine.model.parameters())
-        self.name = engine.name
+        self.name = name
         self.family = getattr(config, "model_type", "unknown")
         self.count = sum(p.numel() for p in params)
         self.size = sum(p.numel() * p.element_size() for p in params)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -29,6 +30,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def served_name(name: str) -> str:
+    """The model's name for clients: a local directory or file by its own name, not its path."""
+    path = Path(name).expanduser()
+    return path.name if ("/" in name or "\\" in name) and path.exists() else name
+
+
 class Service:
     """One engine served on one socket: the worker, the conversations and uvicorn."""
 
@@ -37,7 +44,8 @@ class Service:
         self.conversations = Conversations(store, engine, keep)
         self.worker = Worker(self.conversations, waiting)
         defaults = defaults or (engine.spec.generation if engine.spec is not None else GenerationSettings())
-        state = State(self.worker, engine.name, Facts(engine), defaults, max_body, api_key, int(time.time()))
+        name = served_name(engine.name)
+        state = State(self.worker, name, Facts(engine, name), defaults, max_body, api_key, int(time.time()))
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(build_app(state), log_level="warning", lifespan="off", timeout_graceful_shutdown=3)

@@ -1,0 +1,49 @@
+"""The real SmolLM2 with LOCRET behind the server: a conversation about a document, its second turn after a
+restart, served from the saved compressed cache."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from localchat.bench.tasks import as_document, passkey
+from localchat.engine.sampling import GenerationSettings
+from localchat.planning.load import policy_for
+from localchat.render import user_turn
+from localchat.server.app import HEADER
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture()
+def locret(smollm2):
+    before = smollm2.policy, smollm2.positions
+    smollm2.set_policy(policy_for(smollm2, "locret", budget=512))
+    yield smollm2
+    smollm2.set_policy(*before)
+
+
+def ask(service, messages):
+    c = openai.OpenAI(base_url=service.url + "/v1", api_key="unused", max_retries=0)
+    raw = c.chat.completions.with_raw_response.create(model="smollm2", messages=messages, max_tokens=16)
+    return raw.parse(), raw.headers[HEADER]
+
+
+def test_a_document_is_read_once_across_two_turns_and_a_restart(serve, locret):
+    sample = passkey(locret.tokenizer, 2000, seed=11, depth=0.4)
+    question = [{"role": "user", "content": user_turn("What is the pass key?", [as_document(sample.document)])}]
+    service = serve(locret, defaults=GenerationSettings(max_new_tokens=16))
+    first, name = ask(service, question)
+    assert sample.answer in first.choices[0].message.content
+    assert first.usage.prompt_tokens > 2000 and first.usage.prompt_tokens_details.cached_tokens == 0
+    service.stop()
+
+    restarted = serve(locret, defaults=GenerationSettings(max_new_tokens=16))
+    follow = question + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "Say the pass key once more."}]
+    second, again = ask(restarted, follow)
+    assert again == name
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens  # the document came from the saved cache
+    assert second.usage.prompt_tokens - cached < 40  # only the new question was read
+    assert sample.answer in second.choices[0].message.content
