@@ -19,6 +19,7 @@ USAGE = """examples:
   localchat bench report DIR
   localchat bench perf --out DIR --heads random
   localchat bench decode --out DIR --weights fp32,int8,int4 --repeat 3
+  localchat bench serve --out DIR --peer llama.cpp
   localchat bench kernels --out DIR
   localchat bench cross-check DIR_A DIR_B [--out FILE.md]
   localchat bench side-by-side DIR
@@ -80,7 +81,7 @@ def add_parser(subparsers) -> None:
                        help="run every cell in this process (no per-cell peak RSS)")
     _engine_flags(bench)
     sub = bench.add_subparsers(dest="bench_command",
-                                metavar="{report,perf,decode,kernels,cross-check,side-by-side,by-length,plot-training,random-model}")
+                                metavar="{report,perf,decode,serve,kernels,cross-check,side-by-side,by-length,plot-training,random-model}")
     report = sub.add_parser("report", help="DIR/results.jsonl -> DIR/report.md and PNG plots")
     report.add_argument("dir", help="a bench --out directory")
     perf = sub.add_parser("perf", help="LOCRET vs full speed side by side; time per token vs length")
@@ -109,6 +110,15 @@ def add_parser(subparsers) -> None:
     dec.add_argument("--repeat", type=int, default=3, help="interleaved runs; the tables give medians (default 3)")
     dec.add_argument("--peer", default=None, help="also run llama.cpp on the same GGUF (needs the [peers] extra)")
     _engine_flags(dec)
+    srv = sub.add_parser("serve", help="time to first token through `localchat serve`: first question, follow-up, "
+                                       "follow-up after a restart; beside llama.cpp's server with --peer")
+    srv.add_argument("--out", help="directory for serve.json and serve.md (and the server's conversations)")
+    srv.add_argument("--length", default="7600", help="document tokens (default 7600)")
+    srv.add_argument("--answer-tokens", type=int, default=16, help="answer length limit (default 16)")
+    srv.add_argument("--peer", default=None, help="also llama.cpp's server on the same GGUF (llama-cpp-python[server])")
+    srv.add_argument("--serve-flags", default="", metavar="FLAGS",
+                     help="more `localchat serve` flags, in one quoted string (e.g. \"--weights int8\")")
+    _engine_flags(srv)
     kern = sub.add_parser("kernels", help="each Triton kernel vs its torch twin; int4-KV decode end to end")
     kern.add_argument("--out", help="directory for kernels.json and kernels.md")
     kern.add_argument("--length", default="8192", help="document tokens of the end-to-end run (default 8192)")
@@ -256,6 +266,8 @@ def run(args) -> int:
         return _run_kernels(args)
     if args.bench_command == "decode":
         return _run_decode(args)
+    if args.bench_command == "serve":
+        return _run_serve(args)
     if args.bench_command in EVIDENCE:  # the grid's evidence tables and the heads' training curve
         from importlib import import_module
 
@@ -312,6 +324,21 @@ def _run_decode(args) -> int:
                           seed=f["seed"] or 0, peer=args.peer,
                           command=_typed("decode"))
     print(run_decode(config, say=_say).read_text(encoding="utf-8"))
+    return 0
+
+
+def _run_serve(args) -> int:
+    from localchat.bench.serve import ServeConfig
+    from localchat.bench.serve import run as run_serve
+
+    out = _out(args, "bench serve", "serve.json and serve.md")
+    f = flags(args)
+    if args.answer_tokens < 1:
+        raise UserError(f"--answer-tokens must be at least 1 (got {args.answer_tokens})")
+    config = ServeConfig(out=out, model=f["model"], length=parse_length(args.length), answer_tokens=args.answer_tokens,
+                         seed=f["seed"] or 0, peer=args.peer, extra=tuple(shlex.split(args.serve_flags)),
+                         command=_typed("serve"))
+    print(run_serve(config, say=_say).read_text(encoding="utf-8"))
     return 0
 
 
