@@ -219,6 +219,11 @@ class Session:
         question = question.strip()
         yield from self._turn(question, user_turn(question, list(documents)), list(documents), settings, cancel)
 
+    @property
+    def can_retry(self) -> bool:
+        """Whether `retry()` has the cache from before the last turn to answer from."""
+        return self._before_last is not None and bool(self.messages)
+
     def retry(self, settings: GenerationSettings | None = None, cancel: threading.Event | None = None) -> Iterator[Event]:
         """Answer the last question again, from the cache as it was before that turn."""
         if not self._rewind():

@@ -3,10 +3,12 @@
 Clients send the whole conversation with every request, and the answers back as text. A request whose earlier
 messages (roles and text, spaces around them aside) are those of a conversation the server holds continues that
 conversation's Session: its compressed cache is kept, and only what the conversation does not hold yet is read
-(the new question, and any turns the client added). A request whose history matches nothing starts a Session
-restored with that history, read once. Every answered turn is saved in the store (chats named `serve-...`), so a
+(the new question, and any turns the client added). A request that asks a conversation's last question again (a
+client's "regenerate") answers it again from the cache as it was before that answer. A request whose history
+matches nothing starts a Session restored with that history, read once. Every answered turn is saved in the store (chats named `serve-...`), so a
 restarted server continues from the saved cache; at most `keep` Sessions stay in memory, the least recently used
-go first (they are saved already). A `conversation` name pins one: `serve-NAME`.
+go first (they are saved already), and at most `saved` stay in the store (one-off requests, such as a client's
+title suggestions, would otherwise pile up there). A `conversation` name pins one: `serve-NAME`.
 """
 
 from __future__ import annotations
@@ -51,21 +53,25 @@ class Answered:
 
 
 class Conversations:
-    def __init__(self, store, engine, keep: int = 4):
-        self.store, self.engine, self.keep = store, engine, keep
+    def __init__(self, store, engine, keep: int = 4, saved: int = 256):
+        self.store, self.engine, self.keep, self.saved = store, engine, keep, saved
         self.live: OrderedDict[str, Session] = OrderedDict()
         self.index: dict[str, list[str]] = {}  # key -> the conversations holding exactly those messages, newest last
         self.keys: dict[str, str] = {}
+        self.asked: dict[str, str] = {}  # key of a live conversation without its last answer -> its name
         for info in store.list():
             if info.name.startswith(PREFIX):
                 self._index(info.name, key(*store.messages(info.name)))
 
     def _index(self, name: str, k: str) -> None:
-        old = self.keys.get(name)
-        if old is not None and name in self.index.get(old, []):
-            self.index[old].remove(name)
+        self._forget(name)
         self.keys[name] = k
         self.index.setdefault(k, []).append(name)
+
+    def _forget(self, name: str) -> None:
+        old = self.keys.pop(name, None)
+        if old is not None and name in self.index.get(old, []):
+            self.index[old].remove(name)
 
     def _session(self, name: str) -> Session | None:
         """Conversation `name` from memory or the store (None when there is none)."""
@@ -78,7 +84,29 @@ class Conversations:
         self.live[name] = session
         self.live.move_to_end(name)
         while len(self.live) > self.keep:
-            self.live.popitem(last=False)
+            gone, _ = self.live.popitem(last=False)
+            self.asked = {k: n for k, n in self.asked.items() if n != gone}
+
+    def _prune(self) -> None:
+        """Delete the least recently used saved conversations past `saved`."""
+        for info in [c for c in self.store.list() if c.name.startswith(PREFIX)][self.saved:]:  # newest first
+            lock = self.store.chat_lock(info.name, "serve")
+            if lock.try_acquire():
+                try:
+                    self.store.delete(info.name)
+                finally:
+                    lock.release()
+                self.live.pop(info.name, None)
+                self._forget(info.name)
+
+    def _asked_again(self, turn: Turn) -> Session | None:
+        """The live conversation whose last question `turn` asks again, when it can answer it again."""
+        k = key(*split_system(turn.messages))
+        name = self.asked.get(k)
+        session = self.live.get(name) if name is not None else None
+        if session is None or not session.can_retry or key(session.system, session.messages[:-1]) != k:
+            return None
+        return self.live.pop(name)
 
     def open(self, turn: Turn) -> Session:
         """The Session that answers `turn` (its question not sent yet): continued, or new and restored."""
@@ -108,14 +136,17 @@ class Conversations:
 
     def answer(self, turn: Turn, cancel, put: Callable) -> Answered | None:
         """Answer `turn`, passing each Token to `put`; save the turn. None when cancelled (nothing is kept)."""
-        session = self.open(turn)
+        again = self._asked_again(turn) if turn.conversation is None else None
+        session = again or self.open(turn)
         put(session.name)  # the request's first item: which conversation answers
         lock = self.store.chat_lock(session.name, "serve")
         if not lock.try_acquire():
             raise BadRequest(f"{lock.in_use()}; try again when it is done", "conversation", "conversation_in_use", 409)
         try:
             final = None
-            for event in session.send(turn.question, (), turn.settings, cancel):
+            events = session.retry(turn.settings, cancel) if again else \
+                session.send(turn.question, (), turn.settings, cancel)
+            for event in events:
                 if isinstance(event, Token):
                     put(event)
                 elif isinstance(event, (Done, Error)):
@@ -131,7 +162,9 @@ class Conversations:
         finally:
             lock.release()
         self._index(session.name, key(session.system, session.messages))
+        self.asked[key(session.system, session.messages[:-1])] = session.name
         self._hold(session.name, session)
+        self._prune()
         return Answered(final, session.name, max(0, session.fed - final.prompt_tokens - final.new_tokens))
 
 

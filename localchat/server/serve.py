@@ -22,6 +22,8 @@ def add_parser(sub, model_flags) -> None:
                    help="requests that may wait while one is answered (default 16); more get 503 + Retry-After")
     p.add_argument("--keep", type=int, default=4, metavar="N",
                    help="conversations kept in memory (default 4); others are reloaded from the store when used")
+    p.add_argument("--saved", type=int, default=256, metavar="N",
+                   help="conversations kept in the store (default 256); the least recently used go first")
     model_flags(p, sub=True)
 
 
@@ -34,7 +36,7 @@ def check(args) -> None:
                         f"send `Authorization: Bearer KEY`), or leave --host out to listen on 127.0.0.1 only")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be from 0 to 65535 (got {args.port})")
-    for flag in ("queue", "keep"):
+    for flag in ("queue", "keep", "saved"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag} must be at least 1 (got {getattr(args, flag)})")
 
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     sock_check.close()
     engine = load_engine(resolve_spec(args))
     service = Service(engine, store, host=args.host, port=args.port, api_key=args.api_key, waiting=args.queue,
-                      keep=args.keep, max_body=int(args.max_file_mb * 2**20))
+                      keep=args.keep, saved=args.saved, max_body=int(args.max_file_mb * 2**20))
     print(f"localchat: serving {engine.name} ({engine.policy.name}) at {service.url}: OpenAI API at "
           f"{service.url}/v1, Ollama API at {service.url}/api (Ctrl+C stops)", file=sys.stderr, flush=True)
     try:

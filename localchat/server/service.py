@@ -40,8 +40,8 @@ class Service:
     """One engine served on one socket: the worker, the conversations and uvicorn."""
 
     def __init__(self, engine, store, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 waiting: int = 16, keep: int = 4, max_body: int = 64 * 2**20, defaults=None):
-        self.conversations = Conversations(store, engine, keep)
+                 waiting: int = 16, keep: int = 4, saved: int = 256, max_body: int = 64 * 2**20, defaults=None):
+        self.conversations = Conversations(store, engine, keep, saved)
         self.worker = Worker(self.conversations, waiting)
         defaults = defaults or (engine.spec.generation if engine.spec is not None else GenerationSettings())
         name = served_name(engine.name)

@@ -20,7 +20,7 @@ def test_chat_streamed_and_not_and_a_follow_up_from_the_cache(serve):
     first_q = [{"role": "user", "content": f"Read: {DOC}\nWhat is the pass key?"}]
     whole = c.chat(model="tiny", messages=first_q, stream=False)
     assert whole.done and whole.done_reason in ("stop", "length") and whole.eval_count > 0
-    parts = list(c.chat(model="tiny", messages=first_q, stream=True))  # a fresh conversation
+    parts = list(c.chat(model="tiny", messages=first_q, stream=True))  # asked again: answered again
     assert "".join(p.message.content for p in parts) == whole.message.content
     assert [p.done for p in parts][-1] is True and parts[-1].prompt_eval_count == whole.prompt_eval_count
     follow = first_q + [{"role": "assistant", "content": whole.message.content},

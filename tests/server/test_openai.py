@@ -115,3 +115,26 @@ def test_the_client_sees_one_sentence_errors(serve):
     with pytest.raises(openai.BadRequestError) as err:
         client(service).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
     assert err.value.status_code == 400 and "`n` must be 1" in err.value.message
+
+
+def test_the_least_recently_used_saved_conversations_go_past_the_bound(serve):
+    service = serve(saved=2)
+    c = client(service)
+    names = [ask(c, [{"role": "user", "content": f"Question {i}"}], max_tokens=2)[1] for i in range(3)]
+    held = [info.name for info in service.conversations.store.list()]
+    assert sorted(held) == sorted(names[1:])
+
+
+def test_asking_the_last_question_again_answers_it_from_the_cache_before_it(serve):
+    service = serve()
+    c = client(service)
+    first_q = [{"role": "user", "content": f"Read this: {DOC}\nWhat is the pass key?"}]
+    first, name = ask(c, first_q)
+    follow = first_q + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "When do boats leave?"}]
+    second, _ = ask(c, follow)
+    again, again_name = ask(c, follow)  # "regenerate"
+    assert again_name == name
+    assert again.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens_details.cached_tokens
+    assert again.choices[0].message.content == second.choices[0].message.content  # greedy: the same answer
+    assert len(service.conversations.store.messages(name)[1]) == 4
