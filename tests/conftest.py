@@ -42,3 +42,28 @@ def tiny_engine(tiny_tok):
 def smollm2():
     """The real default model (fetched into the user cache on first use)."""
     return Engine.load(None)
+
+
+@pytest.fixture()
+def serve(tiny_tok, tmp_path):
+    """`serve(engine=None, **service options)`: a started `localchat serve` (uvicorn on 127.0.0.1, an ephemeral port,
+    in a thread) on the tiny model (the same weights every time) over a store in tmp_path, stopped at the end.
+    Called again after `.stop()`, it is a restart."""
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.server.service import Service
+    from localchat.store import Store
+
+    running = []
+
+    def start(engine=None, defaults=None, **kw):
+        engine = engine or Engine(tiny_llama(len(tiny_tok)), tiny_tok, name="tiny", chunk=512)
+        (tmp_path / "data").mkdir(mode=0o700, exist_ok=True)
+        store = Store(tmp_path / "data" / "chats.sqlite3")
+        service = Service(engine, store, defaults=defaults or GenerationSettings(max_new_tokens=12), **kw).start()
+        running.append((service, store))
+        return service
+
+    yield start
+    for service, store in running:
+        service.stop()
+        store.close()

@@ -187,34 +187,46 @@ async def _sse(state: State, turn: Turn, answer: Answer, item) -> AsyncIterator[
                 yield data(openai.error(exc.message, "invalid_request_error", exc.param, exc.code))
                 break
         yield "data: [DONE]\n\n"
+    except Gone:  # nobody reads the rest
+        return
     finally:
         answer.close()
 
 
 async def ollama_chat(request: Request) -> Response:
+    return await _ollama(request, ollama.parse, generate=False)
+
+
+async def ollama_generate(request: Request) -> Response:
+    return await _ollama(request, ollama.parse_generate, generate=True)
+
+
+async def _ollama(request: Request, parse, generate: bool) -> Response:
     started = time.perf_counter()
-    state, turn, answer, first = await _start(request, ollama.parse)
+    state, turn, answer, first = await _start(request, parse)
     if not turn.stream:
         text, result = await _text_until_end(answer, first)
         if result is None:
             return Response(status_code=499)
-        return JSONResponse(ollama.final(state.model, result.done, text, started), headers=_headers(answer))
-    return StreamingResponse(_ndjson(state, answer, first, started), media_type="application/x-ndjson",
+        return JSONResponse(ollama.final(state.model, result.done, text, started, generate), headers=_headers(answer))
+    return StreamingResponse(_ndjson(state, answer, first, started, generate), media_type="application/x-ndjson",
                              headers=_headers(answer))
 
 
-async def _ndjson(state: State, answer: Answer, item, started: float) -> AsyncIterator[str]:
+async def _ndjson(state: State, answer: Answer, item, started: float, generate: bool) -> AsyncIterator[str]:
     try:
         while item is not END:
             if isinstance(item, Token) and item.text:
-                yield json.dumps(ollama.line(state.model, item.text)) + "\n"
+                yield json.dumps(ollama.line(state.model, item.text, generate)) + "\n"
             elif isinstance(item, Answered):
-                yield json.dumps(ollama.final(state.model, item.done, "", started)) + "\n"
+                yield json.dumps(ollama.final(state.model, item.done, "", started, generate)) + "\n"
             try:
                 item = await answer.next()
             except BadRequest as exc:
                 yield json.dumps({"error": exc.message}) + "\n"
                 break
+    except Gone:
+        return
     finally:
         answer.close()
 
@@ -270,7 +282,7 @@ def build_app(state: State) -> Starlette:
     routes = [
         Route("/", root), Route("/v1/models", models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/api/tags", tags), Route("/api/show", show, methods=["POST"]), Route("/api/version", version),
-        Route("/api/chat", ollama_chat, methods=["POST"]),
+        Route("/api/chat", ollama_chat, methods=["POST"]), Route("/api/generate", ollama_generate, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={BadRequest: _refused, Gone: _gone, Exception: _failed})
     app.state.server = state

@@ -1,4 +1,5 @@
-"""Ollama's API: /api/chat (NDJSON lines when streaming, its default), /api/tags, /api/show, /api/version.
+"""Ollama's API: /api/chat and /api/generate (NDJSON lines when streaming, its default), /api/tags, /api/show,
+/api/version.
 
 Fields read in /api/chat: model, messages, stream, options (num_predict, temperature, top_p, seed, stop), and our
 `conversation`; format, keep_alive and think are accepted and ignored; tools and images are refused (text only).
@@ -18,6 +19,23 @@ from localchat.server.turns import MAX_NEW, BadRequest, Turn
 
 
 def parse(body: dict, defaults: GenerationSettings) -> Turn:
+    """/api/chat."""
+    return _turn(body, defaults, turns.messages(body, parts=False))
+
+
+def parse_generate(body: dict, defaults: GenerationSettings) -> Turn:
+    """/api/generate: `prompt` (and `system`) as a one-question conversation."""
+    prompt = turns.get(body, "prompt", str, "a string")
+    if not prompt or not prompt.strip():
+        raise BadRequest("`prompt` must be a non-empty string", "prompt", "invalid_value")
+    if body.get("images"):
+        raise BadRequest("`images` is not supported: this server reads text only", "images", "unsupported")
+    system = turns.get(body, "system", str, "a string")
+    return _turn(body, defaults, [*([{"role": "system", "content": system}] if system else []),
+                                  {"role": "user", "content": prompt}])
+
+
+def _turn(body: dict, defaults: GenerationSettings, messages: list[dict]) -> Turn:
     turns.get(body, "model", str, "a string")
     if turns.get(body, "tools", list, "a list"):
         raise BadRequest("`tools` is not supported: this server has no tool calls", "tools", "unsupported")
@@ -33,20 +51,24 @@ def parse(body: dict, defaults: GenerationSettings) -> Turn:
     if max_new == 0:
         raise BadRequest("`options.num_predict` must be positive, or -1 for the server's limit", "options.num_predict",
                          "invalid_value")
-    return Turn(turns.messages(body, parts=False), settings, stream is not False, turns.conversation(body))
+    return Turn(messages, settings, stream is not False, turns.conversation(body))
 
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def line(model: str, text: str) -> dict:
-    return {"model": model, "created_at": now(), "message": {"role": "assistant", "content": text}, "done": False}
+def _text(text: str, generate: bool) -> dict:
+    return {"response": text} if generate else {"message": {"role": "assistant", "content": text}}
 
 
-def final(model: str, done: Done, text: str, started: float) -> dict:
+def line(model: str, text: str, generate: bool = False) -> dict:
+    return {"model": model, "created_at": now(), **_text(text, generate), "done": False}
+
+
+def final(model: str, done: Done, text: str, started: float, generate: bool = False) -> dict:
     ns = 1_000_000_000
-    return {"model": model, "created_at": now(), "message": {"role": "assistant", "content": text}, "done": True,
+    return {"model": model, "created_at": now(), **_text(text, generate), "done": True,
             "done_reason": "length" if done.stop_reason == "length" else "stop",
             "total_duration": int((time.perf_counter() - started) * ns), "load_duration": 0,
             "prompt_eval_count": done.prompt_tokens, "prompt_eval_duration": int(done.prefill_s * ns),

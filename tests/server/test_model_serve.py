@@ -47,3 +47,27 @@ def test_a_document_is_read_once_across_two_turns_and_a_restart(serve, locret):
     assert cached >= first.usage.prompt_tokens  # the document came from the saved cache
     assert second.usage.prompt_tokens - cached < 40  # only the new question was read
     assert sample.answer in second.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_eight_clients_on_eight_documents_each_get_their_own_pass_key(serve, locret):
+    from concurrent.futures import ThreadPoolExecutor
+
+    service = serve(locret, defaults=GenerationSettings(max_new_tokens=16), waiting=8, keep=3)
+    samples = [passkey(locret.tokenizer, 800, seed=100 + i, depth=0.5) for i in range(8)]
+
+    def client(i: int):
+        question = [{"role": "user", "content": user_turn("What is the pass key?", [as_document(samples[i].document)])}]
+        first, name = ask(service, question)
+        follow = question + [{"role": "assistant", "content": first.choices[0].message.content},
+                             {"role": "user", "content": "Say the pass key once more."}]
+        second, again = ask(service, follow)
+        return name, again, first.choices[0].message.content, second
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(client, range(8)))
+    assert len({name for name, *_ in results}) == 8
+    for sample, (name, again, first, second) in zip(samples, results):
+        assert again == name and sample.answer in first
+        assert second.usage.prompt_tokens_details.cached_tokens > 800
+        assert sample.answer in second.choices[0].message.content

@@ -35,3 +35,11 @@ def test_ollama_errors_are_its_own_shape(serve):
     with pytest.raises(ollama.ResponseError) as err:
         c.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], options={"temperature": "hot"})
     assert err.value.status_code == 400 and err.value.error == "`options.temperature` must be a number (got a string)"
+
+
+def test_generate_answers_a_prompt(serve):
+    c = ollama.Client(host=serve().url)
+    whole = c.generate(model="tiny", prompt="Say hello.", system="Be brief.", stream=False)
+    assert whole.done and whole.response and whole.prompt_eval_count > 0
+    parts = list(c.generate(model="tiny", prompt="Say hello.", system="Be brief.", stream=True))
+    assert "".join(p.response for p in parts) == whole.response and parts[-1].done
