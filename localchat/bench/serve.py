@@ -169,7 +169,7 @@ def run(config: ServeConfig, say=lambda s: None) -> Path:
                                         config.answer_tokens, say)
     if config.peer is not None:
         if not peers.available():
-            results[config.peer] = {"missing": f"not installed; to measure it: {peers.INSTALL} plus its `server` extra"}
+            results[config.peer] = {"missing": f"not installed; to measure it: {peers.INSTALL}"}
         else:
             gguf = gguf or peers.default_gguf()
             say(f"{config.peer} server on {gguf.name}")
