@@ -84,7 +84,7 @@ class RunSpec:
         return {"model": self.model, "chunk": self.chunk, "weights": self.weights, "kv": self.kv,
                 "margin_mib": self.margin_mib, "profile": self.profile, "policy": {
                     **{k: v for k, v in asdict(self.policy).items() if k != "params"}, **dict(self.policy.params)},
-                "generation": asdict(self.generation)}
+                "generation": {k: v for k, v in asdict(self.generation).items() if k != "stop"}}  # a request's own
 
     def rows(self) -> list[tuple[str, Any, str]]:
         """(setting, value, source) for `profile show`, in a fixed order."""
