@@ -18,7 +18,8 @@ def test_localchat_serve_answers_and_stops_on_ctrl_c(tmp_path):
     model = save_tiny(tmp_path / "tiny-model")
     env = {**os.environ, "LOCALCHAT_DATA_DIR": str(tmp_path / "data"), "LOCALCHAT_CONFIG_DIR": str(tmp_path / "cfg")}
     child = subprocess.Popen([sys.executable, "-m", "localchat", "--model", str(model), "serve", "--port", "0",
-                              "--max-new-tokens", "4"], stderr=subprocess.PIPE, text=True, env=env)
+                              "--max-new-tokens", "4"], stderr=subprocess.PIPE, text=True, env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
     try:
         url = None
         deadline = time.monotonic() + 120
