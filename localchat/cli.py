@@ -49,7 +49,7 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
                    help="device profile (`localchat profile list`), or `none`; default: config.toml's default_profile")
     if "--weights" not in p._option_string_actions:  # plan / profile parsers add their own
         p.add_argument("--weights", default=d(None), metavar="W",
-                       help="weights: fp32|bf16|fp16|int8|int4|nf4 (nf4: CUDA only; default: fp32 on CPU, bf16 on GPU)")
+                       help="weights: fp32|bf16|fp16|int8|int4|nf4 (nf4: CUDA only; default: the plan's choice, `localchat plan`)")
         p.add_argument("--kv", default=d(None), metavar="Q",
                        help="retained KV cache: none|int8|int4|int2 (quantized per unit; default none)")
     p.add_argument("--debug", action="store_true", default=d(False), help="show Python tracebacks")
