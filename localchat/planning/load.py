@@ -116,37 +116,33 @@ def admit(engine: Engine, prompt_units: int, max_new: int, held: int = 0) -> Non
     off = p.offloaded_layers(depth) if kind == "cuda" else 0
     on_device, in_host = split_bytes(unit, depth, off, prompt_units, max_new, held)
     free = memory.detect(kind).free - DEFAULT_MARGIN[kind]  # the module's, so tests can stand in a device
-    bounded = bounded_choice(engine)
     if on_device > free:
         where = f" on the GPU ({off} offloaded layers' share goes to host memory)" if off else ""
         raise UserError(f"{p.name} keeps every token: {new_units:,} more need {on_device / GIB:.1f} GiB{where} "
-                        f"but {max(free, 0) / GIB:.1f} GiB is free (after a margin); use {bounded} or a shorter "
-                        f"document")
+                        f"but {max(free, 0) / GIB:.1f} GiB is free (after a margin); use "
+                        f"{bounded_choice(engine)} or a shorter document")
     host_free = memory.detect("cpu").free - DEFAULT_MARGIN["cpu"] if off else 0
     if off and in_host > host_free:
         raise UserError(f"{p.name} --offload keeps {off} layers in host memory: {prompt_units:,} more tokens need "
                         f"{in_host / GIB:.1f} GiB there but {max(host_free, 0) / GIB:.1f} GiB is free; "
-                        f"use {bounded} or a shorter document")
+                        f"use {bounded_choice(engine)} or a shorter document")
 
 
 def fit_document(engine: Engine, spec: RunSpec, tokens: int, held: int = 0) -> RunSpec | None:
     """Where full attention was only the default (no trained heads) and cannot hold `tokens` more in the memory
     found, the spec of NO_HEADS_POLICY planned for the loaded model (what `ask` chooses before loading, for a
     document given later: the chat window's); None where nothing needs to change."""
-    from localchat.engine.policies import NO_HEADS_POLICY
-    from localchat.planning.resolve import with_policy
+    from localchat.planning.resolve import is_default, no_heads_spec
 
-    if engine.policy.bounded() or not str(spec.sources.get("policy", "")).startswith("default"):
+    if engine.policy.bounded() or not is_default(spec, "policy"):
         return None
     try:
         admit(engine, tokens, spec.generation.max_new_tokens, held)
         return None
     except UserError:
         pass
-    bounded = with_policy(spec, engine.card, engine.device.type, NO_HEADS_POLICY)
-    bounded = replace(bounded, sources={**bounded.sources, "policy": "default (no trained heads, long document)"})
     try:
-        return plan_loaded(engine, bounded, say=lambda line: None)
+        return plan_loaded(engine, no_heads_spec(spec, engine.card, engine.device.type), say=lambda line: None)
     except UserError:  # not even a bounded cache fits: the turn's own refusal says why
         return None
 

@@ -424,10 +424,9 @@ def complete(spec: RunSpec, target: Target | None = None, *, quiet: bool = False
     planned = plan_spec(spec, shape, card, target, fixed=fixed_fields(spec), measured=measured, say=say,
                         doc_tokens=doc_tokens)
     held = planned.plan.max_document() if not spec.policy.cls.bounded() else None
-    if held is None or not doc_tokens or held >= doc_tokens or not _default(spec, "policy"):
+    if held is None or not doc_tokens or held >= doc_tokens or not is_default(spec, "policy"):
         return planned
-    bounded = with_policy(spec, card, target.kind, NO_HEADS_POLICY)
-    bounded = replace(bounded, sources={**bounded.sources, "policy": "default (no trained heads, long document)"})
+    bounded = no_heads_spec(spec, card, target.kind)
     if say is not None:
         say(f"localchat: full attention holds {held:,} tokens in {target.memory / GIB:.1f} GiB and the document has "
             f"about {doc_tokens:,}: reading it with {NO_HEADS_POLICY}, the best policy without trained heads in "
@@ -436,9 +435,16 @@ def complete(spec: RunSpec, target: Target | None = None, *, quiet: bool = False
     return plan_spec(bounded, shape, card, target, fixed=fixed_fields(bounded), measured=measured, say=say)
 
 
-def _default(spec: RunSpec, key: str) -> bool:
+def is_default(spec: RunSpec, key: str) -> bool:
     """Whether `key` was left to its default (no flag, chat, environment, profile or card set it)."""
     return str(spec.sources.get(key, "default")).startswith("default")
+
+
+def no_heads_spec(spec: RunSpec, card: ModelCard | None, kind: str) -> RunSpec:
+    """`spec` turned from the default full attention to NO_HEADS_POLICY, for a document full attention cannot hold
+    (unplanned: the caller plans it for the memory it has)."""
+    bounded = with_policy(spec, card, kind, NO_HEADS_POLICY)
+    return replace(bounded, sources={**bounded.sources, "policy": "default (no trained heads, long document)"})
 
 
 def plan_spec(spec: RunSpec, shape: Shape, card: ModelCard | None, target: Target, *, fixed: set[str],
