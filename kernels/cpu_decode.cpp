@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -236,23 +236,97 @@ at::Tensor int4_row(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 
 namespace {
 
-// y = x W^T (+ b) for a [1, K] float32 row: float32 weights (bits 32), or torch's packed int8 / int4 weight-only
-// kernels on bfloat16 input (kernels/packed.py: codes, scales; int4 in groups of `group`, rows padded to `out`+).
-// `xb` is x in bfloat16 (cast once for the products that share x).
-at::Tensor linear_row(const at::Tensor& x, const at::Tensor& xb, const at::Tensor& w, const at::Tensor& scales,
-                      const at::Tensor& bias, int64_t bits, int64_t out, int64_t group) {
-  at::Tensor y;
-  if (bits == 32) {
-    y = at::linear(x, w);
-#if defined(__AVX512F__)
-  } else if (bits == 4 && x.size(0) == 1 && group == 32) {
-    y = int4_row(x.contiguous(), w, scales, group, out);
+#if defined(__AVX2__) && defined(__FMA__)
+// One row times torch's packed int4 weight with AVX2, for CPUs without AVX-512 (torch's own kernel is 20-40 %
+// slower there: bench/results/cpu-defaults-avx2/packed_row.txt). The layout as int4_row's, in blocks of B rows (torch packs 32 here, 64 where it uses
+// AVX-512): per input, B/2 bytes, byte j holding row j (low nibble) and row j + B/2 (high). B/8 accumulators of
+// 8 rows each per group of 32 inputs, then scale and zero as in int4_row. x: float32 [K]; y: float32 [rows].
+template <int B>
+void int4_rows_avx2(const float* X, const uint8_t* P, const uint32_t* SZ, int64_t rows, int64_t K,
+                    const std::vector<float>& sums, float* Y) {
+  constexpr int H = B / 2, A = B / 8;
+  const int64_t groups = K / 32;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto widen = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); };  // 8 low bytes -> floats
+  at::parallel_for(0, rows / B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = P + b * K * H;
+      __m256 res[A];
+      for (int a = 0; a < A; ++a) res[a] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256 acc[A];
+        for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
+        for (int64_t k = g * 32; k < (g + 1) * 32; ++k) {
+          const __m256 xk = _mm256_set1_ps(X[k]);
+          for (int h = 0; h < H; h += 16) {
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + k * H + h));
+            const __m128i lo = _mm_and_si128(bytes, low4);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+            acc[h / 8] = _mm256_fmadd_ps(widen(lo), xk, acc[h / 8]);
+            acc[h / 8 + 1] = _mm256_fmadd_ps(widen(_mm_srli_si128(lo, 8)), xk, acc[h / 8 + 1]);
+            acc[(H + h) / 8] = _mm256_fmadd_ps(widen(hi), xk, acc[(H + h) / 8]);
+            acc[(H + h) / 8 + 1] = _mm256_fmadd_ps(widen(_mm_srli_si128(hi, 8)), xk, acc[(H + h) / 8 + 1]);
+          }
+        }
+        const __m256 xs = _mm256_set1_ps(sums[g]);
+        const __m256 xs8 = _mm256_set1_ps(8.f * sums[g]);
+        for (int a = 0; a < A; ++a) {  // rows 8a .. 8a + 7 of the block
+          const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(SZ + g * rows + b * B + 8 * a));
+          const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+          const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(pair, high16));
+          res[a] = _mm256_fmadd_ps(scale, _mm256_sub_ps(acc[a], xs8), _mm256_fmadd_ps(zero, xs, res[a]));
+        }
+      }
+      for (int a = 0; a < A; ++a) _mm256_storeu_ps(Y + b * B + 8 * a, res[a]);
+    }
+  });
+}
+
 #endif
-  } else {
-    y = bits == 8 ? at::_weight_int8pack_mm(xb, w, scales) : at::_weight_int4pack_mm_for_cpu(xb, w, group, scales);
-    if (y.size(-1) != out) y = y.narrow(-1, 0, out);
-    y = y.to(at::kFloat);
+
+}  // namespace
+
+// y = x W^T for one float32 row x [1, K] and packed weights (kernels/packed.py): int8 codes [N, K] with bf16
+// scales [N], or int4 in torch's packed layout (`block` rows per block, groups of `group` inputs, rows padded
+// to whole blocks). int4 through int4_row on AVX-512 and int4_rows_avx2 on CPUs without it (30-40 % faster than
+// torch's kernel, bench/experiments/packed_row.py); int8 through torch's kernel. Returns float32 [1, out].
+at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, int64_t bits,
+                      int64_t out, int64_t group, int64_t block) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.numel() == x_in.size(-1), "packed_row: one float32 row");
+  const auto x = x_in.reshape({1, -1}).contiguous();
+#if defined(__AVX512F__)
+  if (bits == 4 && group == 32 && block == 64) return int4_row(x, w, scales, group, out);
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  const int64_t K = x.size(1);
+  if (bits == 4 && group == 32 && (block == 32 || block == 64) && K % 32 == 0 && w.size(1) * 2 == K
+      && w.size(0) % block == 0 && w.is_contiguous() && scales.is_contiguous()) {
+    const int64_t rows = w.size(0);
+    const float* X = x.data_ptr<float>();
+    std::vector<float> sums(K / 32, 0.f);
+    for (int64_t k = 0; k < K; ++k) sums[k / 32] += X[k];
+    auto y = torch::empty({1, rows}, x.options());
+    const auto* SZ = reinterpret_cast<const uint32_t*>(scales.data_ptr<at::BFloat16>());
+    if (block == 32)
+      int4_rows_avx2<32>(X, w.data_ptr<uint8_t>(), SZ, rows, K, sums, y.data_ptr<float>());
+    else
+      int4_rows_avx2<64>(X, w.data_ptr<uint8_t>(), SZ, rows, K, sums, y.data_ptr<float>());
+    return out < rows ? y.narrow(-1, 0, out) : y;
   }
+#endif
+  const auto xb = x.to(at::kBFloat16);
+  auto y = bits == 8 ? at::_weight_int8pack_mm(xb, w, scales) : at::_weight_int4pack_mm_for_cpu(xb, w, group, scales);
+  if (y.size(-1) != out) y = y.narrow(-1, 0, out);
+  return y.to(at::kFloat);
+}
+
+namespace {
+
+// y = x W^T (+ b) for a [1, K] float32 row: float32 weights (bits 32) or packed ones (packed_row).
+at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& bias,
+                      int64_t bits, int64_t out, int64_t group, int64_t block) {
+  at::Tensor y = bits == 32 ? at::linear(x, w) : packed_row(x, w, scales, bits, out, group, block);
   if (bias.numel()) y = y + bias.to(at::kFloat);
   return y;
 }
@@ -261,7 +335,7 @@ at::Tensor linear_row(const at::Tensor& x, const at::Tensor& xb, const at::Tenso
 
 // One decoder layer of a Llama-layout model (pre-norm attention and SwiGLU MLP) for one decoded token.
 // h [1, hidden] float32. weights: 7 linears (q, k, v, o, gate, up, down) x {weight or codes, scales, bias}
-// (empty tensors where absent); meta: 7 x {bits, out_features, group}. Writes the token's K and V at `slot` of
+// (empty tensors where absent); meta: 7 x {bits, out_features, group, block} (packed_row's). Writes the token's K and V at `slot` of
 // k_cache / v_cache, and its score 0 and original position `position` at `slot` of scores / positions [H, cap].
 // Returns {h after the layer, the pre-RoPE qkv [1, (Hq + 2 Hkv) D]}.
 std::vector<torch::Tensor> layer_step(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps,
@@ -270,26 +344,24 @@ std::vector<torch::Tensor> layer_step(torch::Tensor h, torch::Tensor norm_in, to
                                       torch::Tensor v_cache, torch::Tensor scores, torch::Tensor positions,
                                       int64_t slot, int64_t position, double scale, int64_t heads_q,
                                       int64_t heads_kv) {
-  TORCH_CHECK(weights.size() == 21 && meta.size() == 21, "layer_step: 7 linears of 3 tensors and 3 numbers");
+  TORCH_CHECK(weights.size() == 21 && meta.size() == 28, "layer_step: 7 linears of 3 tensors and 4 numbers");
   TORCH_CHECK(scores.scalar_type() == at::kFloat && positions.scalar_type() == at::kLong &&
               slot < scores.size(1) && slot < positions.size(1), "layer_step: scores / positions");
-  auto lin = [&](int i, const at::Tensor& x, const at::Tensor& xb) {
-    return linear_row(x, xb, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], meta[3 * i], meta[3 * i + 1],
-                      meta[3 * i + 2]);
+  auto lin = [&](int i, const at::Tensor& x) {
+    return linear_row(x, weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], meta[4 * i], meta[4 * i + 1],
+                      meta[4 * i + 2], meta[4 * i + 3]);
   };
   for (int64_t k = 0; k < scores.size(0); ++k) {
     scores.data_ptr<float>()[k * scores.stride(0) + slot * scores.stride(1)] = 0.f;
     positions.data_ptr<int64_t>()[k * positions.stride(0) + slot * positions.stride(1)] = position;
   }
   const auto x = rms_norm(h, norm_in, eps);
-  const auto xb = x.to(at::kBFloat16);
-  auto qkv = at::cat({lin(0, x, xb), lin(1, x, xb), lin(2, x, xb)}, -1);
+  auto qkv = at::cat({lin(0, x), lin(1, x), lin(2, x)}, -1);
   const auto attn = attend_token(qkv, cos, sin, k_cache, v_cache, slot, scale, heads_q, heads_kv);
-  h = h + lin(3, attn, attn.to(at::kBFloat16));
+  h = h + lin(3, attn);
   const auto y = rms_norm(h, norm_post, eps);
-  const auto yb = y.to(at::kBFloat16);
-  const auto act = at::silu(lin(4, y, yb)) * lin(5, y, yb);
-  h = h + lin(6, act, act.to(at::kBFloat16));
+  const auto act = at::silu(lin(4, y)) * lin(5, y);
+  h = h + lin(6, act);
   return {h, qkv};
 }
 
@@ -298,6 +370,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512F__)
   m.def("int4_row", &int4_row, "one row times torch's packed int4 weight (AVX-512)");
 #endif
+  m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32");
   m.def("attend_token", &attend_token, "RoPE, cache write and attention of one decoded token for one layer");

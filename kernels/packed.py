@@ -57,6 +57,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        native = row_kernels() if x.dtype == torch.float32 and x.numel() == self.in_features else None
+        if native is not None:  # one fp32 row: the C++ products (kernels/cpu_decode.cpp `packed_row`)
+            y = native.packed_row(x, self.codes, self.scales, self.bits, self.out_features, GROUP, self.block)
+            if self.bias is not None:
+                y = y + self.bias.float()
+            return y.reshape(*shape[:-1], self.out_features)
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if flat.shape[0] <= VECTOR_ROWS[self.bits]:
             if self.bits == 8:
@@ -74,6 +80,11 @@ class PackedLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    @property
+    def block(self) -> int:
+        """Rows per block of the int4 layout (0 for int8)."""
+        return (torch_block() or BLOCK) if self.bits == 4 else 0
+
     def dequantized(self) -> torch.Tensor:
         """The weight as bf16 `[rows, K]` (int4: rows padded to whole blocks)."""
         if self.bits == 8:
@@ -86,6 +97,14 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+def row_kernels():
+    """The C++ kernels (`packed_row`: one fp32 row times packed weights, own AVX2 / AVX-512 code where torch's
+    kernels are slower), or None where they are not built (kernels/cpu_decode.py)."""
+    from localchat.kernels import cpu_decode
+
+    return cpu_decode.kernels()
 
 
 @functools.cache

@@ -82,14 +82,15 @@ def _mlp(module):
 
 
 def _row(module):
-    """A linear layer as `layer_step` takes it: ([weight or codes, scales, bias], [bits, out_features, group]),
+    """A linear layer as `layer_step` takes it: ([weight or codes, scales, bias], [bits, out_features, group,
+    block]),
     or None for a kind it does not know (quantized layers of other libraries, half-precision weights)."""
     none = torch.empty(0)
     if type(module) is PackedLinear:
         return [module.codes, module.scales, none if module.bias is None else module.bias], \
-            [module.bits, module.out_features, GROUP]
+            [module.bits, module.out_features, GROUP, module.block]
     if type(module) is nn.Linear and module.weight.dtype == torch.float32:
-        return [module.weight, none, none if module.bias is None else module.bias], [32, module.out_features, 0]
+        return [module.weight, none, none if module.bias is None else module.bias], [32, module.out_features, 0, 0]
     return None
 
 

@@ -93,7 +93,7 @@ def test_the_int4_row_product_reads_torchs_packed_layout(native, rows, inputs):
     from localchat.kernels.packed import GROUP, PackedLinear
 
     if "avx512f" not in cpu_decode._cpu_flags().split():  # the kernel exists only where it can run
-        pytest.skip("this CPU has no AVX-512: the layer step uses torch's int4 kernel (tests/engine/test_decode_step.py)")
+        pytest.skip("this CPU has no AVX-512: int4 goes through packed_row's AVX2 code (tested below)")
     assert hasattr(native, "int4_row"), "an AVX-512 CPU, but the build has no int4_row"
     torch.manual_seed(rows)
     packed = PackedLinear(nn.Linear(inputs, rows, bias=False), 4)
@@ -104,3 +104,26 @@ def test_the_int4_row_product_reads_torchs_packed_layout(native, rows, inputs):
     assert ((got - want).norm() / want.norm()).item() < 4e-3  # the dequantized reference is itself bf16
     theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed.codes, GROUP, packed.scales).float()
     assert ((got - theirs[:, :rows]).norm() / want.norm()).item() < 8e-3
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,inputs", [(960, 576), (40, 64), (576, 1536), (192, 576)])
+def test_packed_row_is_the_product_with_the_dequantized_weight(native, bits, rows, inputs):
+    """`packed_row` (own AVX2 / AVX-512 int4 code, torch's int8 kernel) on every CPU, and PackedLinear's one-row
+    forward through it, against the dequantized weight."""
+    from torch import nn
+
+    from localchat.kernels.packed import GROUP, PackedLinear
+
+    torch.manual_seed(rows + bits)
+    packed = PackedLinear(nn.Linear(inputs, rows), bits)
+    x = torch.randn(1, inputs)
+    want = F.linear(x, packed.dequantized().float()[:rows])
+    got = native.packed_row(x, packed.codes, packed.scales, bits, rows, GROUP, packed.block)
+    assert got.shape == (1, rows) and got.dtype == torch.float32
+    assert ((got - want).norm() / want.norm()).item() < 4e-3  # the dequantized reference is itself bf16
+    layer = packed(x[None])  # [1, 1, K]: one row, through packed_row, plus the bias
+    assert layer.shape == (1, 1, rows)
+    torch.testing.assert_close(layer[0], got + packed.bias, rtol=0, atol=0)
+    several = packed(torch.cat([x, x]))  # two rows: torch's kernel (bf16 input)
+    assert ((several[0] - layer[0, 0]).norm() / want.norm()).item() < 8e-3
