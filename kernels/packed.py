@@ -35,25 +35,38 @@ VECTOR_ROWS = {8: 24, 4: 96}  # steps of at most this many rows use the packed k
 class PackedLinear(nn.Module):
     """A linear layer with int8 or int4 weights; `forward` keeps the input's dtype."""
 
-    def __init__(self, linear: nn.Linear, bits: int):
+    def __init__(self, linear: nn.Linear, bits: int, packed: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`packed`: the codes and scales of an earlier packing of the same weight (engine/packed_store.py);
+        None quantizes `linear`'s weight now."""
         super().__init__()
-        w = linear.weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        if bits == 4 and not fits_int4(w.shape[1]):
+        self.out_features, self.in_features = linear.weight.shape
+        if bits == 4 and not fits_int4(self.in_features):
             bits = 8
         self.bits = bits
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        if bits == 8:
-            codes, scales = quantize_int8(w)
-            self.register_buffer("codes", codes)
-            self.register_buffer("scales", scales)
-        else:
-            rows = -(-w.shape[0] // BLOCK) * BLOCK  # padded to whole blocks with zero rows
-            w = torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])]) if rows > w.shape[0] else w
-            codes, scale_zero = quantize_int4(w)
-            self.register_buffer("codes", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-            self.register_buffer("scales", scale_zero)  # [K / GROUP, rows, 2] bf16
+        codes, scales = packed if packed is not None else self._quantize(linear.weight.detach().float())
+        rows = -(-self.out_features // BLOCK) * BLOCK
+        want = ({"codes": ((self.out_features, self.in_features), torch.int8), "scales": ((self.out_features,), torch.bfloat16)}
+                if bits == 8 else {"codes": ((rows, self.in_features // 2), torch.uint8),
+                                   "scales": ((self.in_features // GROUP, rows, 2), torch.bfloat16)})
+        for name, t in (("codes", codes), ("scales", scales)):
+            if (tuple(t.shape), t.dtype) != want[name]:
+                raise ValueError(f"packed {name} {tuple(t.shape)} {t.dtype}: this layer needs {want[name]}")
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)  # int8: [rows]; int4: [K / GROUP, rows, 2] bf16
+
+    @classmethod
+    def from_packed(cls, linear: nn.Linear, bits: int, codes: torch.Tensor, scales: torch.Tensor) -> "PackedLinear":
+        return cls(linear, bits, (codes, scales))
+
+    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.bits == 8:
+            return quantize_int8(w)
+        rows = -(-w.shape[0] // BLOCK) * BLOCK  # padded to whole blocks with zero rows
+        w = torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])]) if rows > w.shape[0] else w
+        codes, scale_zero = quantize_int4(w)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scale_zero
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

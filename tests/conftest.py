@@ -14,18 +14,21 @@ from tiny import tiny_llama, tiny_tokenizer
 
 @pytest.fixture(autouse=True)
 def _isolated_dirs(tmp_path_factory, monkeypatch):
-    """Config and data never touch the user's real dirs; the model cache is shared (one fetch)."""
+    """Config, data and packed weights never touch the user's real dirs; the model cache is shared (one fetch)."""
     monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path_factory.getbasetemp() / "config"))
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path_factory.getbasetemp() / "data"))
+    from localchat.engine import packed_store
+
+    monkeypatch.setattr(packed_store, "folder", lambda: tmp_path_factory.getbasetemp() / "packed")
 
 
 @pytest.fixture(autouse=True)
-def _cpu_without_avx512(monkeypatch):
-    """Plans are made as on a CPU without AVX-512 (fp32 weights for the embedded model), so what the tests read
-    does not depend on the machine; tests of the CPU defaults set the class they test."""
+def _cpu_not_measured(monkeypatch):
+    """Plans are made as on a CPU whose packed kernels were never measured (fp32 weights for the embedded model),
+    so what the tests read does not depend on the machine; tests of the CPU defaults set the class they test."""
     from localchat.planning import planner
 
-    monkeypatch.setattr(planner, "cpu_class", lambda: "AVX2")
+    monkeypatch.setattr(planner, "cpu_class", lambda: "DEFAULT")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
   fp32 / bf16 / fp16  the model loads at that dtype.
   nf4                 CUDA only: bitsandbytes NF4 with double quantization and bf16 compute (at load time).
   int8                CUDA: bitsandbytes LLM.int8(); CPU: torch's packed int8 kernels (kernels/packed.py, per row).
-  int4                CPU: torch's packed int4 kernels (kernels/packed.py, groups of 32 with scale and zero);
+  int4                CPU: torch's packed int4 layout (kernels/packed.py, groups of 32 with scale and zero), packed
+                      once per model and kept on disk (engine/packed_store.py);
                       CUDA: optimum-quanto int4 (groups of 128 weights, scale + shift).
 
 The decoder's linear layers are quantized; embeddings and norms stay at the activation dtype, and the retaining
@@ -62,11 +63,9 @@ def quantize_after_load(model, weights: str | None, device: torch.device) -> Non
     if weights not in ("int8", "int4") or (weights == "int8" and device.type == "cuda"):
         return
     if device.type == "cpu":
-        from localchat.kernels.packed import PackedLinear, pack_model
+        from localchat.engine import packed_store
 
-        with torch.inference_mode():
-            pack_model(model.model, 8 if weights == "int8" else 4)
-            model.lm_head = PackedLinear(model.lm_head, 8)
+        packed_store.pack(model, 8 if weights == "int8" else 4)
         return
     from optimum.quanto import freeze, qint4, quantize
 

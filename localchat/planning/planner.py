@@ -35,11 +35,11 @@ KV_COST = {"none": 0, "fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "int4": 2, "in
 FLOATS = ("fp32", "bf16", "fp16")
 FOUR_BIT = ("int4", "nf4")
 # Decode speed by weights relative to fp32 on a CPU, by its vector unit, where no tuned profile measured this
-# machine (SmolLM2, LOCRET b=1024, 2 threads). torch's packed int8/int4 one-row kernels are fast with AVX-512
-# and slower than fp32 without it. AVX-512: bench/results/cpu-decode/decode.md (after a 7.7K
-# document); AVX2: bench/results/cpu-defaults-avx2/ (after 2K; a loaded machine, so the ratios only).
+# machine (SmolLM2, LOCRET b=1024, 2 threads, after a 7.7K document, quiet machines): AVX-512
+# bench/results/cpu-decode/decode.md, AVX2 bench/results/cpu-defaults-avx2/decode-quiet/decode.md. Other CPUs
+# (ARM, older x86) are not measured: full precision.
 DECODE_SPEED = {"AVX512": {"fp32": 1.0, "int8": 3.47, "int4": 4.08},
-                "AVX2": {"fp32": 1.0, "int8": 0.3, "int4": 0.38}}
+                "AVX2": {"fp32": 1.0, "int8": 2.44, "int4": 3.23}}
 
 
 def cpu_class() -> str:

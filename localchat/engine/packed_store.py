@@ -1,0 +1,110 @@
+"""Packed CPU weights kept on disk, so a start with `--weights int4` or `int8` does not quantize again.
+
+Quantizing SmolLM2's linear layers to int4 (and its output layer to int8) takes seconds at every start; the
+packed codes and scales of one model and precision are saved once under `<cache>/packed/` and loaded at the next
+start in place of that work (bench/results/cpu-defaults-avx2/startup-*). An entry is named by a fingerprint of
+what it was made from: the names, shapes and first and last bytes of every linear layer's weights (a fine-tune
+or a merged adapter changes every value of a layer it touches; reading only the ends keeps the rest of a
+memory-mapped weight file off the process's memory when the entry is loaded), the
+precision, torch's version and int4 block, and the packing code itself; anything else makes a new entry. The
+entries used least recently go beyond KEEP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from localchat import paths
+from localchat.kernels import packed
+
+KEEP = 4  # entries kept (one per model and precision; SmolLM2 int4 is 80 MB)
+SAMPLE = 4096  # bytes from each end of every weight in the fingerprint
+
+
+def plan(model: nn.Module, bits: int) -> dict[str, int]:
+    """Which linear layers are packed, at how many bits: the decoder's at `bits` (int4 falls back to int8 for
+    inputs not a multiple of the group), the output layer at 8 (a fifth of SmolLM2's weights; its int8 copy is
+    the quality the grid measured)."""
+    layers = {}
+    for name, module in model.model.named_modules():
+        if isinstance(module, nn.Linear):
+            layers[f"model.{name}"] = 4 if bits == 4 and packed.fits_int4(module.in_features) else 8
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        layers["lm_head"] = 8
+    return layers
+
+
+def fingerprint(model: nn.Module, layers: dict[str, int]) -> str:
+    h = hashlib.sha256(f"{torch.__version__} {packed.torch_block()} ".encode())
+    h.update(Path(packed.__file__).read_bytes())
+    for name, bits in layers.items():
+        module = model.get_submodule(name)
+        for t in (module.weight, module.bias):
+            if t is None:
+                continue
+            flat = t.detach().reshape(-1).view(torch.uint8)  # the ends only: a loaded weight is a view of the
+            h.update(f"{name} {bits} {tuple(t.shape)} {t.dtype} ".encode())  # file, whose pages stay unread
+            h.update(flat[:SAMPLE].numpy().tobytes() + flat[-SAMPLE:].numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def folder() -> Path:
+    return paths.cache_dir() / "packed"
+
+
+def entry(key: str) -> Path:
+    return folder() / f"{key}.safetensors"
+
+
+def pack(model: nn.Module, bits: int) -> str:
+    """Replace the linear layers of `model` (on the CPU) by PackedLinear, from the disk entry where one exists;
+    else pack them and save the entry. Returns "loaded", "packed" or "packed (not saved: why)"."""
+    from safetensors.torch import load_file, save_file
+
+    layers = plan(model, bits)
+    path = entry(fingerprint(model, layers))
+    if path.is_file():
+        try:
+            state = load_file(path)
+            _swap(model, layers, lambda name, linear: packed.PackedLinear.from_packed(
+                linear, layers[name], state[f"{name}.codes"], state[f"{name}.scales"]))
+            os.utime(path)  # recently used
+            return "loaded"
+        except Exception:  # noqa: BLE001 - a damaged or foreign entry: pack again and replace it
+            path.unlink(missing_ok=True)
+    done = _swap(model, layers, lambda name, linear: packed.PackedLinear(linear, layers[name]))
+    state = {f"{name}.{part}": getattr(module, part).contiguous() for name, module in done.items()
+             for part in ("codes", "scales")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file(state, str(tmp))
+        os.replace(tmp, path)
+        _prune(path.parent)
+    except OSError as exc:
+        return f"packed (not saved: {exc.strerror or exc})"
+    return "packed"
+
+
+def _swap(model: nn.Module, layers: dict[str, int], make) -> dict[str, nn.Module]:
+    made = {}
+    with torch.inference_mode():
+        for name in layers:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            made[name] = make(name, getattr(owner, child))
+        for name, module in made.items():  # only once every layer was made: a failure leaves the model as it was
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module)
+    return made
+
+
+def _prune(folder: Path) -> None:
+    entries = sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[KEEP:]:
+        old.unlink(missing_ok=True)
