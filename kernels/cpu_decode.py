@@ -1,7 +1,8 @@
 """C++ kernels for the CPU decode step (cpu_decode.cpp): a whole decoder layer for one token (`layer_step`), with
-attention of the token over the layer's kept units, RMSNorm, and on AVX-512 CPUs a one-row int4 product on
-torch's packed layout (`int4_row`). What each way through a step gives: bench/results/cpu-decode/ab_paths.txt;
-`int4_row` against torch's int4 kernel: bench/results/cpu-decode/int4_row.txt.
+attention of the token over the layer's kept units, RMSNorm, and one fp32 row times packed weights (`packed_row`:
+own int4 code on torch's packed layout for AVX-512 (`int4_row`) and AVX2 CPUs, torch's kernel for int8). What
+each way through a step gives: bench/results/cpu-decode/ab_paths.txt; the int4 code against torch's kernel:
+bench/results/cpu-decode/int4_row.txt (AVX-512), bench/results/cpu-defaults-avx2/packed_row.txt (AVX2).
 
 Built once per machine, by a child process, with torch's C++ extension builder (g++ and ninja, the toolchain
 torch.compile's CPU backend needs too) into the user cache, keyed by the source, the flags, torch's and Python's
@@ -53,9 +54,10 @@ BUILD_TIMEOUT = 900  # seconds: the first build takes about 30 s on 2 cores
 
 @functools.cache
 def kernels():
-    """The built module (`decode_attention`, `rms_norm`, `attend_token`, `layer_step`, and `int4_row` on AVX-512
-    CPUs), or None where it cannot be built here. A missing build is made by a child process (the compiler's and
-    torch's builder's memory stay out of this one); the library is then imported directly."""
+    """The built module (`decode_attention`, `rms_norm`, `attend_token`, `layer_step`, `packed_row`, and
+    `int4_row` on AVX-512 CPUs), or None where it cannot be built here. A missing build is made by a child
+    process (the compiler's and torch's builder's memory stay out of this one); the library is then imported
+    directly."""
     if os.environ.get("LOCALCHAT_CPU_KERNELS", "1") == "0":
         _why.append("LOCALCHAT_CPU_KERNELS=0")
         return None

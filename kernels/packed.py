@@ -1,18 +1,21 @@
 """Weight-only int8 / int4 linear layers for the CPU, on torch's packed matmul kernels.
 
 A decoded token multiplies one row by every weight, so reading the weights is the cost of a step; at 8 or 4
-bits a step reads 4x or 8x fewer bytes than fp32. Two kernels of torch's CPU backend do the work, on bf16 inputs
-(their AVX-512 paths; fp32 inputs take a generic path about 10x slower):
+bits a step reads 4x or 8x fewer bytes than fp32. The weights are kept in the layouts of torch's CPU kernels:
 
   int8  aten._weight_int8pack_mm            codes [N, K] int8, one bf16 scale per output row (symmetric)
   int4  aten._weight_int4pack_mm_for_cpu    4-bit codes in torch's packed layout, and per group of GROUP inputs
                                             a bf16 scale and zero: w = (code - 8) * scale + zero
 
-Those are matrix-vector kernels: their time grows with the rows, and at a prefill chunk of 512 rows they are no
-faster than fp32. A step of more than VECTOR_ROWS[bits] rows dequantizes the weight to bf16 and runs one bf16
-matmul instead (where bf16 products are native, AVX-512; elsewhere in the input's dtype, as torch emulates bf16) (for 512 x 576 x 1536 on one core: fp32 10.2 ms, int8 5.1 ms, int4 7.3 ms, of which dequantizing
-0.3 / 1.4 ms); the thresholds are where the two ways cost the same on this 2-core EPYC (bench/results/cpu-decode/). Outputs are cast back to the input's dtype, so the rest of the
-model keeps its own (fp32 on a CPU).
+One fp32 row (a decoded token) goes through `packed_row` of the C++ decode kernels where they are built
+(kernels/cpu_decode.cpp: own int4 code for AVX-512 and AVX2, torch's int8 kernel), else through torch's kernels
+on a bf16 copy of the row. Those are matrix-vector kernels: their time grows with the rows, and at a prefill
+chunk of 512 rows they are no faster than fp32. A step of more than VECTOR_ROWS[bits] rows dequantizes the weight
+to bf16 and runs one bf16 matmul instead (where bf16 products are native, AVX-512; elsewhere in the input's
+dtype, as torch emulates bf16) (for 512 x 576 x 1536 on one core: fp32 10.2 ms, int8 5.1 ms, int4 7.3 ms, of
+which dequantizing 0.3 / 1.4 ms); the thresholds are where the two ways cost the same on a 2-core EPYC with
+AVX-512 (bench/results/cpu-decode/). Outputs are cast back to the input's dtype, so the rest of the model keeps
+its own (fp32 on a CPU). engine/packed_store.py keeps a model's packed layers on disk between starts.
 
 torch's int4 layout (torch 2.13): rows in blocks of 64 where its kernel uses AVX-512, of 32 on other CPUs; byte j
 of input k of a block holds row j in its low nibble and row j + block/2 in its high one. `torch_block` reads the

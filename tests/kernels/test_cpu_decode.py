@@ -36,6 +36,19 @@ def test_attention_matches_sdpa_on_views_of_a_bigger_cache(native, n):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group, d", [(1, 64), (2, 128), (4, 64), (5, 80), (7, 128), (8, 96), (9, 64), (3, 24)])
+def test_attention_matches_fp64_for_every_group_size_and_head_dim(native, group, d):
+    """The AVX2 loops are specialised by queries per KV head (1-8) and head dim (a multiple of 16 or 32); the
+    rest (9 queries, d = 24) take the generic ones. An odd number of units checks the pairwise scoring's tail."""
+    g = torch.Generator().manual_seed(group * d)
+    n = 333
+    keys, values = torch.randn(1, 2, n, d, generator=g) * 2, torch.randn(1, 2, n, d, generator=g)
+    q = torch.randn(1, 2, group, d, generator=g) * 2
+    got = cpu_decode.attention(q, keys, values, d ** -0.5)
+    exact = torch.softmax(q.double() @ keys.double().transpose(-1, -2) * d ** -0.5, dim=-1) @ values.double()
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=4e-6)
+
+
 def test_attention_declines_what_it_does_not_serve(native):
     q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 5, 8)
     assert cpu_decode.attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 1.0) is None
