@@ -13,6 +13,7 @@ entries used least recently go beyond KEEP.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -64,13 +65,13 @@ def entry(key: str) -> Path:
 def pack(model: nn.Module, bits: int) -> str:
     """Replace the linear layers of `model` (on the CPU) by PackedLinear, from the disk entry where one exists;
     else pack them and save the entry. Returns "loaded", "packed" or "packed (not saved: why)"."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     layers = plan(model, bits)
     path = entry(fingerprint(model, layers))
     if path.is_file():
         try:
-            state = load_file(path)
+            state = read(path)
             _swap(model, layers, lambda name, linear: packed.PackedLinear.from_packed(
                 linear, layers[name], state[f"{name}.codes"], state[f"{name}.scales"]))
             os.utime(path)  # recently used
@@ -89,6 +90,29 @@ def pack(model: nn.Module, bits: int) -> str:
     except OSError as exc:
         return f"packed (not saved: {exc.strerror or exc})"
     return "packed"
+
+
+DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BF16": torch.bfloat16, "F32": torch.float32, "I32": torch.int32}
+
+
+def read(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file read into tensors of our own (plain reads, no mapping): safetensors' loader gives
+    views of a mapped file at 16-byte offsets, which the int4 products read 20-40 % slower than fresh memory,
+    and whose pages stay in the process's memory beside any copy."""
+    out = {}
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+            f.seek(8 + size + start)
+            if end - start != t.numel() * t.element_size() or f.readinto(t.view(-1).view(torch.uint8).numpy()) != end - start:
+                raise ValueError(f"{path.name}: {name} is cut short")
+            out[name] = t
+    return out
 
 
 def _swap(model: nn.Module, layers: dict[str, int], make) -> dict[str, nn.Module]:
