@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -432,6 +433,46 @@ at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Ten
   return y.to(at::kFloat);
 }
 
+// torch's packed int4 weight (packed_row's layout) dequantized into `wt`, float32 [K, rows] (the transpose: each
+// input's codes of a block are that block's rows side by side), for a chunk's x @ wt. Without AVX-512 the bf16
+// products a chunk would use are emulated, so a chunk multiplies in fp32; this writes the weight once into a
+// buffer the caller reuses, where torch's ops took several temporaries and bf16 arithmetic.
+void dequant_int4_t(const at::Tensor& packed, const at::Tensor& scales, int64_t group, int64_t block, at::Tensor wt) {
+  const int64_t rows = packed.size(0), K = packed.size(1) * 2, H = block / 2;
+  TORCH_CHECK(group == 32 && (block == 32 || block == 64) && rows % block == 0 && packed.is_contiguous() &&
+              scales.is_contiguous() && wt.is_contiguous() && wt.scalar_type() == at::kFloat &&
+              wt.size(0) == K && wt.size(1) == rows, "dequant_int4_t: torch's packed int4 layout, wt [K, rows]");
+  const uint8_t* P = packed.data_ptr<uint8_t>();
+  const uint32_t* SZ = reinterpret_cast<const uint32_t*>(scales.data_ptr<at::BFloat16>());
+  float* W = wt.data_ptr<float>();
+  at::parallel_for(0, rows / block, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> scale(block), base(block);  // base: the value of code 0 (zero - 8 scale)
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = P + b * K * H;
+      for (int64_t k = 0; k < K; ++k) {
+        if (k % group == 0) {
+          for (int64_t r = 0; r < block; ++r) {
+            const uint32_t pair = SZ[(k / group) * rows + b * block + r];
+            float sc, zero;
+            const uint32_t lo = pair << 16, hi = pair & 0xFFFF0000u;
+            std::memcpy(&sc, &lo, 4);
+            std::memcpy(&zero, &hi, 4);
+            scale[r] = sc;
+            base[r] = zero - 8.f * sc;
+          }
+        }
+        const uint8_t* bytes = blk + k * H;
+        float* out = W + k * rows + b * block;
+#pragma omp simd
+        for (int64_t j = 0; j < H; ++j) {
+          out[j] = static_cast<float>(bytes[j] & 15) * scale[j] + base[j];
+          out[j + H] = static_cast<float>(bytes[j] >> 4) * scale[j + H] + base[j + H];
+        }
+      }
+    }
+  });
+}
+
 namespace {
 
 // y = x W^T (+ b) for a [1, K] float32 row: float32 weights (bits 32) or packed ones (packed_row).
@@ -482,6 +523,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_row", &int4_row, "one row times torch's packed int4 weight (AVX-512)");
 #endif
   m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
+  m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32");
   m.def("attend_token", &attend_token, "RoPE, cache write and attention of one decoded token for one layer");

@@ -26,11 +26,13 @@ if a torch release changed the layout.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from torch import nn
 
 GROUP = 32  # int4: inputs per scale and zero
+_scratch = threading.local()  # the largest dequantized int4 weight of a prefill chunk, per thread
 BLOCK = 64  # int4: torch packs rows in blocks of 64
 VECTOR_ROWS = {8: 24, 4: 96}  # steps of at most this many rows use the packed kernels; more, a bf16 matmul
 
@@ -87,6 +89,9 @@ class PackedLinear(nn.Module):
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.codes, GROUP, self.scales)
         elif bf16_products_fast():
             y = nn.functional.linear(flat, self.dequantized())
+        elif self.bits == 4 and x.dtype == torch.float32 and row_kernels() is not None:
+            # without AVX-512 bf16 products are emulated: fp32, the weight dequantized once into a reused buffer
+            y = torch.mm(x.reshape(-1, self.in_features), self._dequantized_t(row_kernels()))
         else:  # torch emulates bf16 products without AVX-512: the input's own dtype (fp32) is ~8x faster there
             y = nn.functional.linear(x.reshape(-1, self.in_features), self.dequantized().to(x.dtype))
         if y.shape[-1] != self.out_features:  # int4 rows padded to whole blocks
@@ -95,6 +100,17 @@ class PackedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _dequantized_t(self, native) -> torch.Tensor:
+        """The int4 weight as fp32 `[K, rows]` in this thread's scratch buffer (valid until the next call)."""
+        rows = self.codes.shape[0]
+        size = self.in_features * rows
+        buffer = getattr(_scratch, "buffer", None)
+        if buffer is None or buffer.numel() < size:
+            buffer = _scratch.buffer = torch.empty(size)
+        wt = buffer[:size].view(self.in_features, rows)
+        native.dequant_int4_t(self.codes, self.scales, GROUP, self.block, wt)
+        return wt
 
     @property
     def block(self) -> int:

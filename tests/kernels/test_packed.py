@@ -84,5 +84,30 @@ def test_a_chunk_is_multiplied_in_bf16_only_where_bf16_products_are_native(bits,
     for native in (True, False):
         monkeypatch.setattr(packed, "bf16_products_fast", lambda native=native: native)
         y = layer(x)
+        if not native and bits == 4 and packed.row_kernels() is not None:
+            # fp32 with the weight dequantized in fp32 by the C++ kernel (no bf16 rounding of the weight)
+            torch.testing.assert_close(y, x @ exact_int4(layer).t()[:, :96] + b, rtol=1e-5, atol=1e-5)
+            continue
         want = nn.functional.linear(x.bfloat16(), w).float() if native else nn.functional.linear(x, w.float())
         assert y.dtype == torch.float32 and torch.equal(y, want[:, :96] + b)
+
+
+def exact_int4(layer: PackedLinear) -> torch.Tensor:
+    """(code - 8) * scale + zero in fp32, `[rows, K]`."""
+    codes = unpack_int4(layer.codes).float()
+    rows, k = codes.shape
+    scale, zero = layer.scales[..., 0].t().float(), layer.scales[..., 1].t().float()
+    return ((codes.reshape(rows, k // GROUP, GROUP) - 8) * scale[..., None] + zero[..., None]).reshape(rows, k)
+
+
+@pytest.mark.parametrize("out_features, inputs", [(1536, 576), (40, 64), (96, 1536)])
+def test_the_cpp_dequantization_writes_the_transposed_fp32_weight(out_features, inputs):
+    from localchat.kernels import cpu_decode
+
+    native = cpu_decode.kernels()
+    assert native is not None, cpu_decode.reason()
+    torch.manual_seed(out_features)
+    layer = PackedLinear(nn.Linear(inputs, out_features), 4)
+    wt = torch.full((inputs, layer.codes.shape[0]), float("nan"))
+    native.dequant_int4_t(layer.codes, layer.scales, GROUP, layer.block, wt)
+    torch.testing.assert_close(wt.t(), exact_int4(layer), rtol=0, atol=1e-6)
