@@ -161,17 +161,17 @@ void attend_range_avx2(const float* q, const float* k, const float* v, int64_t k
 void attend(const float* q, const float* k, const float* v, int64_t k_stride, int64_t v_stride, int64_t lo,
             int64_t hi, int64_t G, int64_t D, float scale, Partial& p, std::vector<float>& s) {
 #if defined(__AVX2__) && defined(__FMA__)
-  const bool wide = D % 32 == 0, narrow = D % 16 == 0;
+  const bool wide = D % 32 == 0, narrow = D % 16 == 0, single = D % 8 == 0;  // D fits slices of W = 4, 2, 1
 #define LOCALCHAT_ATTEND(g, w) return attend_range_avx2<g, w>(q, k, v, k_stride, v_stride, lo, hi, D, scale, p, s)
   switch (G) {
     case 1: if (wide) LOCALCHAT_ATTEND(1, 4); break;
     case 2: if (wide) LOCALCHAT_ATTEND(2, 4); break;
     case 3: if (wide) LOCALCHAT_ATTEND(3, 4); break;
-    case 4: if (wide) LOCALCHAT_ATTEND(4, 2); break;
+    case 4: if (narrow) LOCALCHAT_ATTEND(4, 2); break;
     case 5: if (narrow) LOCALCHAT_ATTEND(5, 2); break;
     case 6: if (narrow) LOCALCHAT_ATTEND(6, 2); break;
     case 7: if (narrow) LOCALCHAT_ATTEND(7, 2); break;
-    case 8: if (narrow) LOCALCHAT_ATTEND(8, 1); break;
+    case 8: if (single) LOCALCHAT_ATTEND(8, 1); break;
   }
 #undef LOCALCHAT_ATTEND
 #endif

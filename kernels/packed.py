@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 GROUP = 32  # int4: inputs per scale and zero
-_scratch = threading.local()  # the largest dequantized int4 weight of a prefill chunk, per thread
 BLOCK = 64  # int4: torch packs rows in blocks of 64
 VECTOR_ROWS = {8: 24, 4: 96}  # steps of at most this many rows use the packed kernels; more, a bf16 matmul
+_scratch = threading.local()  # the largest dequantized int4 weight of a prefill chunk, per thread
 
 
 class PackedLinear(nn.Module):
@@ -61,10 +61,6 @@ class PackedLinear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)  # int8: [rows]; int4: [K / GROUP, rows, 2] bf16
 
-    @classmethod
-    def from_packed(cls, linear: nn.Linear, bits: int, codes: torch.Tensor, scales: torch.Tensor) -> "PackedLinear":
-        return cls(linear, bits, (codes, scales))
-
     def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.bits == 8:
             return quantize_int8(w)
@@ -75,23 +71,24 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        native = row_kernels() if x.dtype == torch.float32 and x.numel() == self.in_features else None
-        if native is not None:  # one fp32 row: the C++ products (kernels/cpu_decode.cpp `packed_row`)
+        native = row_kernels() if x.dtype == torch.float32 else None
+        if native is not None and x.numel() == self.in_features:  # one fp32 row: kernels/cpu_decode.cpp
             y = native.packed_row(x, self.codes, self.scales, self.bits, self.out_features, GROUP, self.block)
             if self.bias is not None:
                 y = y + self.bias.float()
             return y.reshape(*shape[:-1], self.out_features)
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if flat.shape[0] <= VECTOR_ROWS[self.bits]:
+        rows = x.numel() // self.in_features
+        if rows <= VECTOR_ROWS[self.bits]:
+            flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             if self.bits == 8:
                 y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.codes, GROUP, self.scales)
         elif bf16_products_fast():
-            y = nn.functional.linear(flat, self.dequantized())
-        elif self.bits == 4 and x.dtype == torch.float32 and row_kernels() is not None:
+            y = nn.functional.linear(x.reshape(-1, self.in_features).to(torch.bfloat16), self.dequantized())
+        elif self.bits == 4 and native is not None:
             # without AVX-512 bf16 products are emulated: fp32, the weight dequantized once into a reused buffer
-            y = torch.mm(x.reshape(-1, self.in_features), self._dequantized_t(row_kernels()))
+            y = torch.mm(x.reshape(-1, self.in_features), self._dequantized_t(native))
         else:  # torch emulates bf16 products without AVX-512: the input's own dtype (fp32) is ~8x faster there
             y = nn.functional.linear(x.reshape(-1, self.in_features), self.dequantized().to(x.dtype))
         if y.shape[-1] != self.out_features:  # int4 rows padded to whole blocks
@@ -196,14 +193,3 @@ def torch_block() -> int | None:
 def layout_ok() -> bool:
     """Whether this torch packs int4 in a layout `unpack_int4` reads (and has the CPU kernels at all)."""
     return torch_block() is not None
-
-
-def pack_model(model: nn.Module, bits: int, skip: tuple[str, ...] = ()) -> int:
-    """Replace every nn.Linear of `model` (but those named in `skip`) by a PackedLinear, in place; the count."""
-    count = 0
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child_name not in skip:
-                setattr(module, child_name, PackedLinear(child, bits))
-                count += 1
-    return count

@@ -83,8 +83,7 @@ def _mlp(module):
 
 def _row(module):
     """A linear layer as `layer_step` takes it: ([weight or codes, scales, bias], [bits, out_features, group,
-    block]),
-    or None for a kind it does not know (quantized layers of other libraries, half-precision weights)."""
+    block]), or None for a kind it does not know (quantized layers of other libraries, half-precision weights)."""
     none = torch.empty(0)
     if type(module) is PackedLinear:
         return [module.codes, module.scales, none if module.bias is None else module.bias], \

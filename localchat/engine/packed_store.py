@@ -23,18 +23,18 @@ from torch import nn
 from localchat import paths
 from localchat.kernels import packed
 
-KEEP = 4  # entries kept (one per model and precision; SmolLM2 int4 is 80 MB)
+KEEP = 4  # entries kept (one per model and precision; SmolLM2 int4 is 95 MB)
 SAMPLE = 4096  # bytes from each end of every weight in the fingerprint
 
 
 def plan(model: nn.Module, bits: int) -> dict[str, int]:
-    """Which linear layers are packed, at how many bits: the decoder's at `bits` (int4 falls back to int8 for
-    inputs not a multiple of the group), the output layer at 8 (a fifth of SmolLM2's weights; its int8 copy is
-    the quality the grid measured)."""
+    """Which linear layers are packed, at how many bits: the decoder's at `bits` (PackedLinear takes int8 where
+    int4 does not fit), the output layer at 8 (a fifth of SmolLM2's weights; its int8 copy is the quality the
+    grid measured)."""
     layers = {}
     for name, module in model.model.named_modules():
         if isinstance(module, nn.Linear):
-            layers[f"model.{name}"] = 4 if bits == 4 and packed.fits_int4(module.in_features) else 8
+            layers[f"model.{name}"] = bits
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         layers["lm_head"] = 8
     return layers
@@ -72,8 +72,8 @@ def pack(model: nn.Module, bits: int) -> str:
     if path.is_file():
         try:
             state = read(path)
-            _swap(model, layers, lambda name, linear: packed.PackedLinear.from_packed(
-                linear, layers[name], state[f"{name}.codes"], state[f"{name}.scales"]))
+            _swap(model, layers, lambda name, linear: packed.PackedLinear(
+                linear, layers[name], (state[f"{name}.codes"], state[f"{name}.scales"])))
             os.utime(path)  # recently used
             return "loaded"
         except Exception:  # noqa: BLE001 - a damaged or foreign entry: pack again and replace it

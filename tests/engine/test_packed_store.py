@@ -29,6 +29,7 @@ def test_the_second_start_loads_what_the_first_packed_and_computes_the_same(stor
     assert packed_store.pack(first, bits) == "packed"
     assert len(list(store.glob("*.safetensors"))) == 1
     assert isinstance(first.lm_head, PackedLinear) and first.lm_head.bits == 8
+    assert not [m for m in first.modules() if type(m) is torch.nn.Linear]  # every linear layer was packed
     assert {m.bits for m in first.model.modules() if isinstance(m, PackedLinear)} == {bits}
     want = logits(first)
 
@@ -40,6 +41,17 @@ def test_the_second_start_loads_what_the_first_packed_and_computes_the_same(stor
     second = tiny_llama(300, head_dim=32)
     assert packed_store.pack(second, bits) == "loaded"
     assert torch.equal(logits(second), want)
+
+
+def test_layers_without_whole_groups_of_inputs_take_int8_when_packed_and_when_loaded(store):
+    """hidden 48: q/k/v, gate and up have 48 inputs (not whole groups of 32), o and down 64 and 192."""
+    first = tiny_llama(300, head_dim=12)
+    assert packed_store.pack(first, 4) == "packed"
+    layer = first.model.layers[0]
+    assert (layer.self_attn.q_proj.bits, layer.mlp.up_proj.bits, layer.mlp.down_proj.bits) == (8, 8, 4)
+    second = tiny_llama(300, head_dim=12)
+    assert packed_store.pack(second, 4) == "loaded"
+    assert second.model.layers[0].self_attn.q_proj.bits == 8 and torch.equal(logits(second), logits(first))
 
 
 def test_other_weights_or_another_precision_make_their_own_entry(store):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from localchat.kernels.packed import GROUP, VECTOR_ROWS, PackedLinear, layout_ok, pack_model, unpack_int4
+from localchat.kernels.packed import GROUP, VECTOR_ROWS, PackedLinear, layout_ok, unpack_int4
 
 
 def _rel(a, b):
@@ -62,14 +62,6 @@ def test_int4_reproduces_weights_already_on_a_4bit_grid():
 
 def test_int4_needs_whole_groups_else_int8():
     assert PackedLinear(nn.Linear(48, 64), 4).bits == 8  # 48 inputs: not whole groups of 32
-
-
-def test_pack_model_replaces_every_linear_but_the_skipped():
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32)))
-    model.add_module("head", nn.Linear(32, 8))
-    assert pack_model(model, 4, skip=("head",)) == 2
-    assert [type(m).__name__ for m in (model[0], model[2][0], model.head)] == ["PackedLinear", "PackedLinear", "Linear"]
-    assert model(torch.randn(3, 64)).shape == (3, 8)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
