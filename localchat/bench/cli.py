@@ -112,7 +112,7 @@ def add_parser(subparsers) -> None:
     _engine_flags(dec)
     srv = sub.add_parser("serve", help="time to first token through `localchat serve`: first question, follow-up, "
                                        "follow-up after a restart; beside llama.cpp's server with --peer")
-    srv.add_argument("--out", help="directory for serve.json and serve.md (and the server's conversations)")
+    srv.add_argument("--out", help="directory for serve.json and serve.md")
     srv.add_argument("--length", default="7600", help="document tokens (default 7600)")
     srv.add_argument("--answer-tokens", type=int, default=16, help="answer length limit (default 16)")
     srv.add_argument("--peer", default=None, help="also llama.cpp's server on the same GGUF (llama-cpp-python[server])")

@@ -17,6 +17,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 from dataclasses import dataclass
@@ -159,14 +160,11 @@ def run(config: ServeConfig, say=lambda s: None) -> Path:
     document = user_turn(QUESTIONS[0], [as_document(sample.document)])
     doc_tokens = len(tokenizer(document, add_special_tokens=False)["input_ids"])
     config.out.mkdir(parents=True, exist_ok=True)
-    data = config.out / "data"
-    if data.exists():
-        raise UserError(f"{data} exists: give --out a new directory (the server's conversations go there)")
-    data.mkdir(mode=0o700)
     results = {}
     say(f"localchat serve, a {doc_tokens:,}-token question")
-    results["localchat"] = conversation(lambda: _localchat(config, data), document, sample.answer,
-                                        config.answer_tokens, say)
+    with tempfile.TemporaryDirectory(prefix="localchat-serve-") as data:  # the server's store: scratch, not a result
+        results["localchat"] = conversation(lambda: _localchat(config, Path(data)), document, sample.answer,
+                                            config.answer_tokens, say)
     if config.peer is not None:
         if not peers.available():
             results[config.peer] = {"missing": f"not installed; to measure it: {peers.INSTALL}"}
