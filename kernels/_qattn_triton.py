@@ -4,7 +4,10 @@
 quantized units, the last program of each head to the full-precision tail; each writes a partial output and
 its log-sum-exp. `merge_kernel`, grid (query heads,): the softmax-weighted sum of the partials.
 Lengths are not specialised on (`do_not_specialize`): a decode step adds a unit, and a new compile per
-length would cost far more than the step.
+length would cost far more than the step. With `LENS` the two lengths are read from device memory
+(`lens_ptr`: quantized units, tail units) and the grid is sized for the cache's capacity: a captured decode
+step (engine/graph_step.py) replays it at every length, and a split past the units held reads nothing.
+`BITS = 0` reads the split's units as plain keys and values (`kc_ptr`, `vc_ptr`: the unquantized cache).
 """
 
 import triton
@@ -22,14 +25,27 @@ def _dequant(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, umask, BITS: tl.con
     return codes.to(tl.float32) * scale + zero
 
 
+@triton.jit
+def _rows(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, umask, BITS: tl.constexpr, G: tl.constexpr):
+    """Keys or values `[BLOCK, D_PAD]` fp32: dequantized, or read as they are (BITS = 0)."""
+    if BITS == 0:
+        x = tl.load(c_ptr + c_row[:, None] + cols[None, :], mask=umask, other=0.0).to(tl.float32)
+    else:
+        x = _dequant(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, umask, BITS, G)
+    return x
+
+
 @triton.jit(do_not_specialize=["n", "nt", "per_split"])
 def qattn_split_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, inv_ptr, out_ptr, lse_ptr,
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, inv_ptr, out_ptr, lse_ptr, lens_ptr,
     n, nt, per_split, scaling, q_h,
     kc_h, kc_u, vc_h, vc_u, ks_h, ks_u, kz_h, kz_u, vs_h, vs_u, vz_h, vz_u, tk_h, tk_u, tv_h, tv_u,
     Q_PER_KV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-    ROTATE: tl.constexpr, BLOCK: tl.constexpr,
+    ROTATE: tl.constexpr, BLOCK: tl.constexpr, LENS: tl.constexpr,
 ):
+    if LENS:  # lengths in device memory (a captured step)
+        n = tl.load(lens_ptr).to(tl.int32)
+        nt = tl.load(lens_ptr + 1).to(tl.int32)
     hq = tl.program_id(0)
     split = tl.program_id(1)
     programs = tl.num_programs(1)
@@ -55,8 +71,8 @@ def qattn_split_kernel(
         units = first + tl.arange(0, BLOCK)
         live = units < q_stop
         umask = live[:, None] & cmask[None, :]
-        k = _dequant(kc_ptr, ks_ptr, kz_ptr, h * kc_h + units * kc_u, h * ks_h + units * ks_u,
-                     h * kz_h + units * kz_u, cols, umask, BITS, G)
+        k = _rows(kc_ptr, ks_ptr, kz_ptr, h * kc_h + units * kc_u, h * ks_h + units * ks_u,
+                  h * kz_h + units * kz_u, cols, umask, BITS, G)
         if ROTATE:
             angle = units.to(tl.float32)[:, None] * inv[None, :]
             s = tl.sum(k * (q[None, :] * tl.cos(angle) - sign[None, :] * qp[None, :] * tl.sin(angle)), axis=1)
@@ -66,8 +82,8 @@ def qattn_split_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
-        v = _dequant(vc_ptr, vs_ptr, vz_ptr, h * vc_h + units * vc_u, h * vs_h + units * vs_u,
-                     h * vz_h + units * vz_u, cols, umask, BITS, G)
+        v = _rows(vc_ptr, vs_ptr, vz_ptr, h * vc_h + units * vc_u, h * vs_h + units * vs_u,
+                  h * vz_h + units * vz_u, cols, umask, BITS, G)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new

@@ -119,12 +119,12 @@ def decode_attention_triton(query, quant, tail_k, tail_v, bits, group, scaling, 
     rotate = inv_freq is not None
     inv = inv_freq.to(query.device, torch.float32) if rotate else lse  # unused when not rotating
     k.qattn_split_kernel[(h_q, programs)](
-        query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse,
+        query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse, lse,
         nq, nt, per_split, float(scaling), query.stride(1),
         kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2), ks.stride(1), ks.stride(2), kz.stride(1),
         kz.stride(2), vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
         tail_k.stride(1), tail_k.stride(2), tail_v.stride(1), tail_v.stride(2),
-        Q_PER_KV=h_q // h, D=d, D_PAD=d_pad, BITS=bits, G=group, ROTATE=rotate, BLOCK=block,
+        Q_PER_KV=h_q // h, D=d, D_PAD=d_pad, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=False,
     )
     out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
     k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs))

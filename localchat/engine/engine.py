@@ -17,6 +17,7 @@ from localchat.engine import loading
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard, card_chunk
 from localchat.engine.decode_step import DecodeStep, supported as lean_supported
+from localchat.engine.graph_step import GraphStep, why_not as graph_why_not
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
 from localchat.engine.policies import PLAIN_POLICY, Policy, make_policy
@@ -32,6 +33,8 @@ END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<
 
 
 class Engine:
+    GRAPH_DEVICES = ("cuda",)  # where a decoded token is a captured step (engine/graph_step.py; tests add "cpu")
+
     def __init__(self, model, tokenizer, *, name: str = "model", card: ModelCard | None = None,
                  chunk: int | None = None, policy: Policy | None = None, positions: str | None = None,
                  kv: str | None = None):
@@ -40,6 +43,9 @@ class Engine:
         self.kv = kv or "none"  # retained units stored quantized: int8 / int4 / int2 (engine/qcache.py)
         self.fused_decode = True  # decode on a quantized cache reads it packed (engine/qattention.py)
         self.lean_decode = True  # decode Llama-layout models without transformers' forward (engine/decode_step.py)
+        self.graph_decode = True  # on CUDA, a decoded token is one CUDA graph replay (engine/graph_step.py)
+        self._graph: GraphStep | None = None  # the last one: a chat's next turn on the same cache replays it
+        self._said_eager: set[str] = set()  # why CUDA decoding ran eagerly, said once each
         self.admit = None  # (engine, prompt units, max new, held units) -> None, raising UserError: a memory check
         self.spec = None  # the RunSpec it was loaded from (localchat/config.py), when it was
         if self.kv not in KV_CHOICES:
@@ -159,6 +165,22 @@ class Engine:
         """Prefill ran out of memory and halved the chunk: later reads use the smaller one."""
         self.chunk = chunk
 
+    def _stepper(self, cache: KVCache, heads) -> tuple[GraphStep | None, str | None]:
+        """On CUDA, the captured decode step for `cache` (the last one when it is bound to the same cache and
+        heads), or None and why not: the reason once per engine, None after."""
+        if self.device.type not in self.GRAPH_DEVICES or not (self.lean_decode and self.graph_decode):
+            return None, None
+        why = graph_why_not(self.model, cache, heads)
+        if why is None:
+            last = self._graph
+            if last is None or last.cache is not cache or last.heads is not heads or last.reason:
+                last = self._graph = GraphStep(self.model, cache, heads)
+            return last, None
+        if why in self._said_eager:
+            return None, None
+        self._said_eager.add(why)
+        return None, why
+
     @property
     def compressing(self) -> bool:
         """True when positions stay bounded by the budget (compact positions with an evicting policy)."""
@@ -221,10 +243,13 @@ class Engine:
                 torch.cuda.synchronize()
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            if self.fused_decode:  # a quantized cache is read packed while decoding
+            lean, eager = self._stepper(target, p.unit_heads() if attached else None)
+            if eager:
+                yield Notice(f"decoding eagerly: {eager}")
+            if lean is None and self.fused_decode:  # a quantized cache is read packed while decoding
                 fused = FusedDecode(self.model, target)
-            lean = DecodeStep(self.model, target, on_qkv=p.qkv_sink() if attached else None) \
-                if self.lean_decode and lean_supported(self.model, target) else None
+            if lean is None and self.lean_decode and lean_supported(self.model, target):
+                lean = DecodeStep(self.model, target, on_qkv=p.qkv_sink() if attached else None)
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
                 max_new = min(max_new, self.window - cache.next_position(pos))  # the cache, not a view: it gets the answer
@@ -245,7 +270,10 @@ class Engine:
                 if (new == max_new or reason == "stop") and not keep_last:
                     break
                 step = torch.tensor([[tok]], device=self.device)
-                logits = lean.step(step, pos) if lean is not None else forward(self.model, target, step, pos)
+                if lean is not None:  # a captured step takes the token id as it is (no read back from the device)
+                    logits = lean.step(tok if isinstance(lean, GraphStep) else step, pos)
+                else:
+                    logits = forward(self.model, target, step, pos)
                 answer.append(tok)
                 if target is cache:
                     p.observe(cache, 1, step)  # answer tokens get scores too (multi-turn keeps them)
@@ -255,6 +283,9 @@ class Engine:
                     break
             if stop is not None and not stop.hit and stop.held:
                 yield Token(stop.flush(), -1)
+            if isinstance(lean, GraphStep) and lean.reason:  # capture failed: later answers take the eager ways
+                self.graph_decode = False
+                yield Notice(f"decoding eagerly: {lean.reason}")
             if target is not cache and answer and keep_last:  # a chat's next turn starts from the cache: feed the answer
                 p.attach(self.model, cache)
                 attached = True

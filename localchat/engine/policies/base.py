@@ -133,6 +133,11 @@ class Policy:
         module, so their hooks would not fire), or None: no such hooks."""
         return None
 
+    def unit_heads(self):
+        """The modules that score a decoded unit from its pre-RoPE q/k/v inside a captured decode step
+        (engine/graph_step.py; LOCRET's retaining heads, `heads.layers[i]`), or None: units decoded get no score."""
+        return None
+
     def detach(self) -> None:
         pass
 

@@ -122,6 +122,9 @@ class Locret(Policy):
     def qkv_sink(self):
         return self.scorer.take_qkv
 
+    def unit_heads(self):
+        return self.scorer.heads
+
     def protected_recent(self, last_chunk: bool) -> int:
         return 0 if last_chunk else self.stabilizers
 

@@ -1,0 +1,199 @@
+"""A decoded token as one replay of a CUDA graph: the GPU twin of the CPU decode step (engine/decode_step.py).
+
+LOCRET's cache has a fixed capacity (budget + local tail + answer), so a step can run with fixed shapes: every
+layer reads the cache's buffers at their capacity, and what changes from token to token lives in one small
+device tensor (`inputs`: the token, the slot it writes, its RoPE and true positions, the lengths held).
+`GraphStep` runs the step's body once eagerly to warm up, captures it as a `torch.cuda.CUDAGraph` and replays it
+per token; the host only writes `inputs` and moves the cache's lengths. Inside the body, per layer: the norms,
+the projections (called past their hooks), RoPE, the new unit's K/V, score and position written at its slot
+(`index_copy_` at a device index), attention over the held units (kernels/graph_attn.py: the plain cache, or the
+quantized cache's packed part plus its tail, lengths read on the device), the MLP; then the final norm and the
+logits. The retaining heads score the new unit inside the step (LOCRET); eviction, the tail's quantization and
+the chat's bookkeeping stay outside, between replays.
+
+A graph is bound to the buffers it read at capture: when the cache grows (a reallocation), keeps key remainders
+for the first time, or another cache comes, the step captures again. On a CPU (the tests) or when capture fails
+the same body runs eagerly. `why_not(model, cache, heads)` says what keeps a model from this step (the engine
+says it once and decodes eagerly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localchat.engine.cache import KVCache
+from localchat.engine.decode_step import LAYOUTS
+from localchat.engine.qcache import QuantizedKVCache
+from localchat.kernels import graph_attn
+from localchat.kernels.quant import group_size
+
+TOKEN, SLOT, ROPE, TRUE, TAIL_SLOT, MAIN, TAIL = range(7)  # the fields of `inputs`
+
+
+def _watched(model, heads) -> str | None:
+    """The name of a module something watches (a policy's hook), but q/k/v projections whose scorer `heads`
+    stand in for inside the step."""
+    qkv = ("q_proj", "k_proj", "v_proj")
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            if heads is not None and name.rsplit(".", 1)[-1] in qkv:
+                continue
+            return name
+    return None
+
+
+def why_not(model, cache, heads=None) -> str | None:
+    """None when `GraphStep` computes what transformers' forward would for this model and cache; else why not,
+    in a few words."""
+    config = model.config
+    if type(model).__name__ not in LAYOUTS:
+        return f"{type(model).__name__} layers are not Llama's"
+    if type(cache) not in (KVCache, QuantizedKVCache) or cache.extension is not None:
+        return "the policy keeps part of the cache elsewhere"
+    if config._attn_implementation != "sdpa":
+        return f"the policy reads attention through its own function ({config._attn_implementation})"
+    if getattr(config, "use_sliding_window", False) or getattr(config, "final_logit_softcapping", None) is not None:
+        return "sliding-window attention or logit soft-capping"
+    watched = _watched(model, heads)
+    if watched:
+        return f"the policy watches {watched}"
+    layers = cache.layers
+    if any(layer._s is None for layer in layers):
+        return "an empty cache"
+    if len({(layer.n, getattr(layer, "nq", 0)) for layer in layers}) != 1:
+        return "layers hold different counts of units"
+    return None
+
+
+class GraphStep:
+    """`step(token, true_position)` -> the next token's logits `[vocab]`, the token's unit added to `cache` with its
+    K/V, original position and (with `heads`: LOCRET's retaining heads) its score. `capture`: replay a CUDA graph
+    (default: on a CUDA device); `reason` says why it runs eagerly when capture failed."""
+
+    def __init__(self, model, cache: KVCache, heads=None, capture: bool | None = None):
+        self.model, self.cache, self.heads = model, cache, heads
+        inner = model.model
+        device = inner.embed_tokens.weight.device
+        self.layers = inner.layers[: model.config.num_hidden_layers]
+        self.quantized = isinstance(cache, QuantizedKVCache)
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.q_heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.inputs = torch.zeros(7, dtype=torch.long, device=device)
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.graph = self.out = None
+        self.bound = None  # the buffers the graph was captured on
+        self.reason: str | None = None
+        self.heads_dtype = next(heads.parameters()).dtype if heads is not None else None
+
+    # --- host side: the cache's lengths, the inputs, capture and replay ----------------------------------------
+
+    def _room(self) -> tuple[int, int, int, int]:
+        """Make room for one unit in every layer and count it in; (slot, tail slot, main length, tail length)."""
+        slot = tail_slot = main = tail = 0
+        for layer in self.cache.layers:
+            n = layer.n
+            if self.quantized:
+                if layer.nt >= layer.residual and layer.nt > 0:  # as QuantizedKVLayer.update: bound the tail
+                    layer._quantize_tail()
+                like = layer._tk if layer._tk is not None else self._like(layer)
+                layer._grow_units(n + 1, like)
+                layer._grow_tail(layer.nt + 1, like, like)
+                slot, tail_slot, main, tail = n, layer.nt, layer.nq, layer.nt + 1
+            else:
+                layer._ensure(n + 1, layer._k, layer._v)
+                slot, main = n, n + 1
+            layer.n = n + 1
+            layer._publish()
+        return slot, tail_slot, main, tail
+
+    def _like(self, layer) -> torch.Tensor:
+        return torch.zeros((1, layer._q["qk"].shape[1], 1, layer.head_dim), dtype=layer.dtype, device=layer._s.device)
+
+    def _buffers(self) -> tuple:
+        out = []
+        for layer in self.cache.layers:
+            ts = [layer._s, layer._p, layer._r]
+            ts += [*layer._q.values(), layer._tk, layer._tv] if self.quantized else [layer._k, layer._v]
+            out += [(t.data_ptr(), tuple(t.shape)) if t is not None else None for t in ts]
+        return tuple(out)
+
+    @torch.inference_mode()
+    def step(self, token: int | torch.Tensor, true_position: int) -> torch.Tensor:
+        slot, tail_slot, main, tail = self._room()
+        rope = slot if self.cache.positions == "compact" else true_position
+        token = token if isinstance(token, int) else int(token.reshape(-1)[0])
+        values = [token, slot, rope, true_position, tail_slot, main, tail]
+        self.inputs.copy_(torch.tensor(values, dtype=torch.long))
+        if not self.capture:
+            return self._body()
+        bound = self._buffers()
+        if self.graph is None or bound != self.bound:
+            self._capture(bound)
+        if self.graph is None:  # capture failed: eager from now on
+            return self._body()
+        self.graph.replay()
+        return self.out.clone()
+
+    def _capture(self, bound) -> None:
+        self.graph = self.out = None
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS sets up (writes this step's unit)
+                self._body()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._body()
+        except Exception as exc:  # noqa: BLE001 - a layer that cannot be captured: decode eagerly
+            self.capture = False
+            self.reason = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''})"
+            return
+        self.graph, self.out, self.bound = graph, out, bound
+
+    # --- device side: the step's body (fixed shapes; captured) ---------------------------------------------------
+
+    def _body(self) -> torch.Tensor:
+        inputs, d = self.inputs, self.head_dim
+        slot, tail_slot, lens = inputs[SLOT:SLOT + 1], inputs[TAIL_SLOT:TAIL_SLOT + 1], inputs[MAIN:TAIL + 1]
+        true = inputs[TRUE:TRUE + 1].expand(self.kv_heads, 1)
+        inner = self.model.model
+        h = inner.embed_tokens(inputs[TOKEN:TOKEN + 1].view(1, 1))  # [1, 1, hidden]
+        cos, sin = inner.rotary_emb(h, inputs[ROPE:ROPE + 1].view(1, 1))
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, 1, d]
+        for i, layer in enumerate(self.layers):
+            attn, held = layer.self_attn, self.cache.layers[i]
+            x = layer.input_layernorm(h)
+            q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)  # past the hooks
+            if self.heads is not None:  # the new unit's score, from its pre-RoPE q/k/v
+                qkv = torch.cat((q[0], k[0], v[0]), dim=-1).to(self.heads_dtype)
+                held._s.index_copy_(1, slot, self.heads.layers[i](qkv).T.float())
+            else:
+                held._s.index_fill_(1, slot, 0.0)
+            held._p.index_copy_(1, slot, true)
+            q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [1, H, 1, d]
+            if hasattr(attn, "q_norm"):  # Qwen3
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            query = q.reshape(1, self.q_heads, 1, d)
+            if self.quantized:
+                held._tk.index_copy_(2, tail_slot, k)
+                held._tv.index_copy_(2, tail_slot, v)
+                out = graph_attn.attention(query, held._q, held._tk, held._tv, lens, held.bits, group_size(d),
+                                           self.scaling, held.inv_freq)
+            else:
+                held._k.index_copy_(2, slot, k)
+                held._v.index_copy_(2, slot, v)
+                if held._r is not None:  # keys come in exact
+                    held._r.index_fill_(2, slot, 0)
+                out = graph_attn.attention(query, {"k": held._k, "v": held._v}, None, None, lens, 0, d,
+                                           self.scaling)
+            h = h + attn.o_proj.forward(out.view(1, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.lm_head(inner.norm(h))[0, -1]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin).to(x.dtype)

@@ -1,0 +1,203 @@
+"""engine/graph_step.py: the fixed-shape decode step gives transformers' logits and cache, on the plain and the
+quantized cache, through the twin and through the Triton kernel (interpreted on the CPU); on CUDA it is captured
+and replayed. Off CUDA the body runs eagerly: the same code the graph records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import localchat.kernels as kernels
+from localchat.engine import graph_step
+from localchat.engine.engine import Engine
+from localchat.engine.events import Done, Notice
+from localchat.engine.graph_step import GraphStep
+from localchat.engine.heads import RetainingHeads
+from localchat.engine.policies import make_policy
+from localchat.engine.prefill import forward, prefill
+from localchat.engine.qattention import FusedDecode
+from localchat.engine.sampling import GenerationSettings
+from tiny import tiny_architecture, tiny_tokenizer
+
+LEAN = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _locret(model):
+    heads = RetainingHeads.random(model, d_r=32)
+    return make_policy("locret", budget=48, stabilizers=8, local=8, heads=heads)
+
+
+def _read(engine, model, ids):
+    cache = engine.new_cache(ids.shape[-1], 16)
+    engine.policy.attach(model, cache)
+    run = prefill(model, cache, ids, chunk=32, policy=engine.policy)
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return cache
+
+
+def _steps(arch, tok, kv="none", positions="compact", residual=None, tokens=(5, 17, 9, 40, 3, 11)):
+    """Decode `tokens` on two copies of one LOCRET read: through GraphStep (eagerly) and through transformers'
+    forward with the retaining heads' hooks; assert logits, then return both caches."""
+    model = tiny_architecture(arch, len(tok))
+    engine = Engine(model, tok, chunk=32, policy=_locret(model), kv=kv, positions=positions)
+    ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1))
+    ours, theirs = _read(engine, model, ids), _read(engine, model, ids)
+    policy = engine.policy
+    if residual is not None:  # the tail is quantized within a few steps
+        for layer in [*ours.layers, *theirs.layers]:
+            layer.residual = residual
+    assert graph_step.why_not(model, ours, policy.unit_heads()) is None
+    step = GraphStep(model, ours, heads=policy.unit_heads())
+    assert not step.capture  # a CPU model: the body runs eagerly
+    fused = FusedDecode(model, theirs) if kv != "none" else None
+    for i, token in enumerate(tokens):
+        a = step.step(token, 200 + i)
+        b = forward(model, theirs, torch.tensor([[token]]), 200 + i)  # q/k/v reach the heads through the hooks
+        policy._flush(theirs)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    if fused is not None:
+        fused.close()
+    policy.detach()
+    return ours, theirs
+
+
+@pytest.mark.parametrize("arch", LEAN)
+def test_a_step_gives_transformers_logits_and_cache(arch, tok):
+    """Steps after a LOCRET read at compact positions (RoPE at slots, not true positions): logits, keys, values,
+    positions and the retaining heads' scores of the new units as transformers' forward leaves them."""
+    ours, theirs = _steps(arch, tok)
+    for x, y in zip(ours.layers, theirs.layers):
+        assert x.n == y.n
+        torch.testing.assert_close(x.keys, y.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.values, y.values, rtol=1e-5, atol=1e-6)
+        assert torch.equal(x.positions, y.positions)
+        assert x.scores[:, -6:].abs().sum() > 0  # the decoded units were scored inside the step
+        torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
+
+
+def test_original_positions(tok):
+    """A policy that keeps true positions: the step's RoPE takes the true position, not the slot."""
+    ours, theirs = _steps("llama", tok, positions="original")
+    for x, y in zip(ours.layers, theirs.layers):
+        torch.testing.assert_close(x.keys, y.keys, rtol=1e-5, atol=1e-6)
+        assert torch.equal(x.positions, y.positions)
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_the_quantized_cache(kv, tok):
+    """The int8/int4 cache: the new unit enters the full-precision tail, attention reads the packed part and the
+    tail; with a tail of 3 units it is quantized twice within the six steps, as the cache's own update does."""
+    ours, theirs = _steps("llama", tok, kv=kv, residual=3)
+    for x, y in zip(ours.layers, theirs.layers):
+        assert (x.n, x.nq) == (y.n, y.nq) and x.nq > 48  # the tail was quantized while decoding
+        for name, t in x.quantized().items():
+            assert torch.equal(t, y.quantized()[name]), name
+        torch.testing.assert_close(x.keys, y.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
+        assert torch.equal(x.positions, y.positions)
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """Attention through the Triton kernel under its interpreter (conftest sets TRITON_INTERPRET on a CPU)."""
+    monkeypatch.setenv("LOCALCHAT_KERNELS", "triton")
+    kernels.reset_backend()
+    assert kernels.backend() == "triton"
+    yield
+    monkeypatch.delenv("LOCALCHAT_KERNELS")
+    kernels.reset_backend()
+
+
+@pytest.mark.parametrize("kv", ["none", "int4"])
+def test_the_triton_kernel_in_the_step(kv, tok, triton_kernels):
+    _steps("llama", tok, kv=kv, residual=3 if kv != "none" else None, tokens=(5, 17, 9, 40))
+
+
+def test_what_keeps_a_model_from_the_step(tok):
+    model = tiny_architecture("llama", len(tok))
+    engine = Engine(model, tok, chunk=32, policy=_locret(model))
+    ids = torch.randint(3, len(tok) - 3, (1, 100), generator=torch.Generator().manual_seed(1))
+    cache = _read(engine, model, ids)
+    heads = engine.policy.unit_heads()
+    assert graph_step.why_not(model, cache, heads) is None
+    assert "watches model.layers.0.self_attn.q_proj" in graph_step.why_not(model, cache, None)  # hooks, no heads
+    engine.policy.detach()
+    assert graph_step.why_not(model, cache.empty(), None) == "an empty cache"
+    cache.layers[1].n -= 1
+    assert graph_step.why_not(model, cache, None) == "layers hold different counts of units"
+    phi = tiny_architecture("phi3", len(tok))
+    assert "not Llama's" in graph_step.why_not(phi, cache, None)
+
+
+class _Cuda:  # an engine that takes its CPU model for a CUDA one, so the captured path runs (eagerly) here
+    def __init__(self, monkeypatch):
+        monkeypatch.setattr(Engine, "GRAPH_DEVICES", ("cuda", "cpu"))
+
+
+@pytest.mark.parametrize("policy", ["locret", "sirllm", "h2o", "full"])
+def test_the_engine_answers_the_same_through_it(policy, tok, monkeypatch):
+    """Whole answers, greedy, two turns of a chat on one cache: the same tokens as the CPU's ways. LOCRET and
+    full attention take the step (a chat's second turn replays the first turn's); SirLLM (a hook on the final
+    norm) and H2O (its own attention function) decode eagerly and say why, once."""
+    model = tiny_architecture("llama", len(tok))
+    built = {"locret": lambda: _locret(model), "full": lambda: make_policy("full")}.get(
+        policy, lambda: make_policy(policy, budget=48, local=8))
+    made = []
+    real_init = GraphStep.__init__
+    monkeypatch.setattr(GraphStep, "__init__", lambda self, *a, **k: made.append(1) or real_init(self, *a, **k))
+    answers, notices = {}, {}
+    for graph in (True, False):
+        if graph:
+            _Cuda(monkeypatch)
+        else:
+            monkeypatch.setattr(Engine, "GRAPH_DEVICES", ("cuda",))
+        engine = Engine(model, tok, chunk=32, policy=built())
+        cache, pos, texts, said = None, 0, [], []
+        for turn in ("the quick brown fox jumps over the lazy dog " * 8, "and then what happened next?"):
+            ids = engine.encode(turn)
+            cache = cache or engine.new_cache(len(ids), 12)
+            events = list(engine.continue_on(cache, ids, pos, GenerationSettings(max_new_tokens=12, ignore_eos=True),
+                                             keep_last=True))
+            done = events[-1]
+            assert isinstance(done, Done) and done.new_tokens == 12
+            texts.append(done.text)
+            said += [e.message for e in events if isinstance(e, Notice)]
+            pos += len(ids) + done.new_tokens
+        answers[graph], notices[graph] = texts, said
+    assert answers[True] == answers[False]
+    assert notices[False] == []
+    if policy in ("locret", "full"):
+        assert notices[True] == [] and len(made) == 1  # one step for both turns of the chat
+    else:
+        assert len(made) == 0
+        assert len(notices[True]) == 1 and notices[True][0].startswith("decoding eagerly: ")
+        assert ("model.norm" if policy == "sirllm" else "own function") in notices[True][0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (tools/gpu runs this)")
+@pytest.mark.parametrize("kv", ["none", "int8"])
+def test_the_captured_step_replays_the_eager_one(kv, tok):
+    """On CUDA: the graph's logits and cache equal the eager body's, step after step, across a re-capture when
+    the cache grows past its capacity."""
+    model = tiny_architecture("llama", len(tok)).cuda().to(torch.bfloat16)
+    engine = Engine(model, tok, chunk=32, policy=_locret(model), kv=kv)
+    ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1)).cuda()
+    ours, theirs = _read(engine, model, ids), _read(engine, model, ids)
+    heads = engine.policy.unit_heads()
+    captured, eager = GraphStep(model, ours, heads), GraphStep(model, theirs, heads, capture=False)
+    assert captured.capture
+    for i in range(80):  # past the first allocation's room: a re-capture
+        a, b = captured.step(i % 50 + 3, 200 + i), eager.step(i % 50 + 3, 200 + i)
+        assert captured.reason is None and captured.graph is not None
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    for x, y in zip(ours.layers, theirs.layers):
+        torch.testing.assert_close(x.scores, y.scores, rtol=2e-2, atol=2e-2)
+        assert torch.equal(x.positions, y.positions)
