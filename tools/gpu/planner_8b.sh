@@ -2,21 +2,29 @@
 # The planner at real scale on a GPU machine, with random-weight models built from real configs (speed and
 # memory only: the answers are noise, and every figure says so). From the repo root, everything under OUT:
 #
-#   export PYTHONPATH=WHEELS_DIR         # where `pip install --target WHEELS_DIR` put our wheels
+#   bash tools/gpu/site.sh               # here, once: .site/ (bitsandbytes, a tokenizer); carry it
+#   export PYTHONPATH=$PWD/.site TOKENIZER=$PWD/.site/tokenizer
 #   bash tools/gpu/planner_8b.sh OUT_DIR
 #
-# Resumable: a step whose output file exists is skipped, so a short GPU window can run it again and go on.
+# Resumable: a step whose output file exists is skipped, so a short GPU window can run it again and go on. The
+# default order puts the 128K read and the decode figures before the plans of every cap.
 # Knobs: DRY=1 prints the commands; STEPS="0 1 2 3 4" picks steps; MODELS="llama-3.1-8b-instruct
-# phi-3-mini-128k-instruct" (configs in tests/data/configs); CAPS="24 12 8" (GB, LOCALCHAT_GPU_MEMORY_GB: the
+# phi-3-mini-128k-instruct" (configs in tests/data/configs); TOKENIZER (a folder: the random models' tokenizer,
+# where the default model is not installed); CAPS="24 12 8" (GB, LOCALCHAT_GPU_MEMORY_GB: the
 # allocator is capped there to stand for an RTX 4090 / 4070 / 4060); LENGTHS="32768 65536 98304 131072" (full
 # attention's failure search); PY (default python3).
 #   step 0  environment, nvidia-smi, versions
-#   step 1  `localchat bench random-model` per model (bf16, all layers; ~2-3 min and 16 GB of disk for the 8B)
+#   step 1  `localchat bench random-model` per model and SmolLM2-135M (bf16, all layers; ~2-3 min and 16 GB of disk
+#           for the 8B)
 #   step 2  per model x cap: `plan --json` (the precision and budget chosen) and `plan --verify --json` (one chunk
 #           on a full cache: measured peak vs planned)
 #   step 3  the 8B at 24 GB: a 128K-token document read end to end by `ask --stats` at the plan's choice, with
 #           nvidia-smi sampling the GPU's busy share; prefill and decode tok/s are in the stats line
 #   step 4  the 8B at 24 GB, --policy full: the first length in LENGTHS that fails (one-line refusal or OOM)
+#   step 5  the captured decode step's tests on CUDA (graph replay = eager body; the kernels' tests)
+#   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay vs eager step vs transformers' forward
+#           with nf4 weights, then bf16 and int8 weights through the graph (bench/experiments/gpu_decode.py);
+#           the same for SmolLM2-135M (b=1024, bf16 cache)
 
 set -o pipefail
 OUT=${1:?usage: tools/gpu/planner_8b.sh OUT_DIR}
@@ -25,11 +33,12 @@ cd "$(dirname "$0")/../.." || exit 1
 PY=${PY:-python3}
 . tools/gpu/env.sh
 DRY=${DRY:-0}
-STEPS=${STEPS:-"0 1 2 3 4"}
+STEPS=${STEPS:-"0 1 3 6 5 2 4"}
 MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
 CAPS=${CAPS:-"24 12 8"}
 LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
 BIG=llama-3.1-8b-instruct
+SMALL=smollm2-135m-instruct
 LC="$PY -m localchat"
 export LOCALCHAT_CONFIG_DIR=${LOCALCHAT_CONFIG_DIR:-$OUT/config}  # no user profile interferes
 mkdir -p "$LOCALCHAT_CONFIG_DIR"
@@ -64,9 +73,10 @@ EOF
 
 for step in $STEPS; do case $step in
 0) run "$OUT/env.txt" bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
-1) for m in $MODELS; do
+1) for m in $MODELS $SMALL; do
        [ -s "$OUT/models/$m/localchat-random-model.json" ] && { echo "skip (done): model $m"; continue; }
-       run "$OUT/build-$m.txt" $LC bench random-model "tests/data/configs/$m.json" "$OUT/models/$m"
+       run "$OUT/build-$m.txt" $LC bench random-model "tests/data/configs/$m.json" "$OUT/models/$m" \
+           ${TOKENIZER:+--tokenizer "$TOKENIZER"}
    done ;;
 2) for m in $MODELS; do for cap in $CAPS; do
        run "$OUT/plan-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$OUT/models/$m" --heads random plan --json
@@ -84,5 +94,14 @@ for step in $STEPS; do case $step in
            --max-new-tokens 8 ask --file "$f" --stats "What is the last number in the document?"
        grep -q "^[1-9]" <(tail -1 "$OUT/summary.txt" 2>/dev/null) && break  # the first failure is the answer
    done ;;
+5) run "$OUT/tests-graph-step.txt" $PY -m pytest -q -p no:cacheprovider tests/engine/test_graph_step.py \
+       tests/kernels/test_kernels.py ;;
+6) GD="$PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128"
+   run "$OUT/decode-$BIG-nf4.txt" $GD --model "$OUT/models/$BIG" --weights nf4 --budget 16384 --kv int8 \
+       --out "$OUT/decode-$BIG-nf4"
+   run "$OUT/decode-$BIG-bf16-int8.txt" $GD --model "$OUT/models/$BIG" --weights bf16,int8 --ways graph \
+       --budget 16384 --kv int8 --out "$OUT/decode-$BIG-bf16-int8"
+   run "$OUT/decode-$SMALL.txt" $GD --model "$OUT/models/$SMALL" --weights bf16 --budget 1024 --kv none \
+       --out "$OUT/decode-$SMALL" ;;
 esac; done
 echo "done: $OUT (summary.txt: exit code, seconds, command)"

@@ -1,0 +1,191 @@
+"""Decode speed after a long read, by way through a step and by weight precision (the GPU's decode figures).
+
+For each `--weights`: one engine (LOCRET at `--budget`, `--kv` cache, retaining heads of d_R = `--d-r`, random:
+speed does not depend on their weights) reads `--length` random tokens once; then, each on a copy of that cache,
+`--tokens` greedy tokens are decoded three ways:
+  graph        a decoded token is one CUDA graph replay (engine/graph_step.py; the default on CUDA)
+  eager step   the same model without transformers' per-call machinery, op by op (engine/decode_step.py)
+  forward      transformers' forward at every step
+Per row: decode tokens/s, and the GPU's busy share of a step: the GPU time of a step (kernel time from the
+profiler over `--profile-tokens` steps; for the graph also the time of back-to-back replays) over the wall time
+per token. On a CPU (the dry run) the graph way is not taken and its row says so.
+
+    python bench/experiments/gpu_decode.py --model DIR --weights nf4,bf16,int8 --out OUT
+Writes OUT/gpu_decode.json and OUT/gpu_decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from localchat.engine.engine import Engine
+from localchat.engine.events import Done, Error
+from localchat.engine.graph_step import GraphStep
+from localchat.engine.heads import RetainingHeads
+from localchat.engine.policies import make_policy
+from localchat.engine.sampling import GenerationSettings
+from localchat.errors import UserError
+
+WAYS = ("graph", "eager step", "forward")
+
+
+def _done(events) -> Done:
+    for event in events:
+        if isinstance(event, Error):
+            raise SystemExit(f"error: {event.message}")
+        if isinstance(event, Done):
+            return event
+    raise RuntimeError("no Done event")
+
+
+def _way(engine: Engine, way: str) -> None:
+    engine.graph_decode = way == "graph"
+    engine.lean_decode = way != "forward"
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
+    """`n` random token ids from the middle of the vocabulary (no special tokens)."""
+    vocab = engine.model.config.vocab_size
+    return torch.randint(vocab // 8, vocab // 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode(engine: Engine, cache, at: int, tokens: int, seed: int) -> tuple[Done, object]:
+    """`tokens` greedy tokens after a 16-token follow-up on a copy of `cache`; (Done, the copy)."""
+    copy = cache.clone()
+    follow = _tokens(engine, 16, seed)
+    settings = GenerationSettings(max_new_tokens=tokens, ignore_eos=True)
+    return _done(engine.continue_on(copy, follow, at, settings)), copy
+
+
+def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> float | None:
+    """GPU kernel time per decoded token over `tokens` steps, from the profiler (None off CUDA)."""
+    if engine.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        done, _ = _decode(engine, cache, at, tokens, seed=1)
+        _sync(engine.device)
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1000 / max(done.new_tokens, 1)
+
+
+def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
+    """Milliseconds per replay of the last captured step, back to back (the GPU's own time per token)."""
+    step = engine._graph
+    if engine.device.type != "cuda" or not isinstance(step, GraphStep) or step.graph is None:
+        return None
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step.graph.replay()
+    _sync(engine.device)
+    return 1000 * (time.perf_counter() - t0) / repeats
+
+
+def measure(args) -> dict:
+    rows = []
+    for weights in args.weights.split(","):
+        engine = Engine.load(None if args.model == "default" else args.model, weights=None if weights in ("", "as-stored") else weights, kv=args.kv)
+        heads = RetainingHeads.random(engine.model, d_r=args.d_r)
+        engine.set_policy(make_policy("locret", budget=args.budget, heads=heads), "compact")
+        if args.chunk:
+            engine.chunk = args.chunk
+        ids = _tokens(engine, args.length, 0)
+        cache = engine.new_cache(args.length, args.tokens)
+        _sync(engine.device)
+        read = _done(engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=1, ignore_eos=True),
+                                        keep_last=True))
+        peak = torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else None
+        at = args.length + 1
+        for way in args.ways.split(","):
+            _way(engine, way)
+            _decode(engine, cache, at, 4, seed=2)  # warm-up (a capture, Triton compiles)
+            done, _ = _decode(engine, cache, at, args.tokens, seed=3)
+            took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
+            ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
+            replay = _replay_ms(engine) if way == "graph" else None
+            kernel = _kernel_ms(engine, cache, at, args.profile_tokens)
+            rows.append({
+                "weights": weights, "way": way if way != "graph" or took else "graph (not taken: not CUDA)",
+                "decode_tok_s": round(done.decode_tps, 1), "ms_per_token": round(ms_token, 3),
+                "gpu_kernel_ms_per_token": None if kernel is None else round(kernel, 3),
+                "gpu_busy_share": None if kernel is None else round(min(kernel / ms_token, 1.0), 3),
+                "replay_ms": None if replay is None else round(replay, 3),
+                "replay_busy_share": None if replay is None else round(min(replay / ms_token, 1.0), 3),
+                "prefill_tok_s": round(read.prefill_tps, 1), "kv_units_per_head": done.kv_tokens,
+                "peak_gib_after_read": None if peak is None else round(peak, 2),
+            })
+            print(json.dumps(rows[-1]), flush=True)
+        _way(engine, "graph")
+        del engine, cache
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return {"rows": rows, "setup": vars(args), "device": _device(), "commit": _commit(),
+            "versions": {"torch": torch.__version__}}
+
+
+def _device() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def markdown(result: dict) -> str:
+    s = result["setup"]
+    cols = ["weights", "way", "decode_tok_s", "ms_per_token", "gpu_kernel_ms_per_token", "gpu_busy_share",
+            "replay_ms", "replay_busy_share", "prefill_tok_s", "kv_units_per_head", "peak_gib_after_read"]
+    lines = [f"# Decode by way and weights: {Path(s['model']).name} on {result['device']} (random weights, speed only)",
+             "", f"Command: `{s['command']}` (commit {result['commit']})", "",
+             f"LOCRET b={s['budget']}, --kv {s['kv']}, random heads d_R={s['d_r']}, {s['length']:,} random tokens "
+             f"read once, then {s['tokens']} greedy tokens on a copy of the cache per way.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |" for r in result["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a model folder or hub id; default: the embedded SmolLM2")
+    p.add_argument("--weights", default="nf4,bf16,int8", help="comma-separated --weights values")
+    p.add_argument("--kv", default="int8")
+    p.add_argument("--ways", default=",".join(WAYS), help="comma-separated: " + ", ".join(WAYS))
+    p.add_argument("--budget", type=int, default=16384)
+    p.add_argument("--chunk", type=int, default=0, help="prefill chunk (0: the model's default)")
+    p.add_argument("--length", type=int, default=32768)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--profile-tokens", type=int, default=16)
+    p.add_argument("--d-r", type=int, default=1024)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    args.command = "python bench/experiments/gpu_decode.py " + " ".join(argv or __import__("sys").argv[1:])
+    try:
+        result = measure(args)
+    except UserError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_decode.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "gpu_decode.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
