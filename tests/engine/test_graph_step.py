@@ -27,9 +27,9 @@ def tok():
     return tiny_tokenizer()
 
 
-def _locret(model):
+def _locret(model, decode_window: int = 0):
     heads = RetainingHeads.random(model, d_r=32)
-    return make_policy("locret", budget=48, stabilizers=8, local=8, heads=heads)
+    return make_policy("locret", budget=48, stabilizers=8, local=8, decode_window=decode_window, heads=heads)
 
 
 def _read(engine, model, ids):
@@ -146,9 +146,10 @@ class _Cuda:  # an engine that takes its CPU model for a CUDA one, so the captur
 def test_the_engine_answers_the_same_through_it(policy, tok, monkeypatch):
     """Whole answers, greedy, two turns of a chat on one cache: the same tokens as the CPU's ways. LOCRET and
     full attention take the step (a chat's second turn replays the first turn's); SirLLM (a hook on the final
-    norm) and H2O (its own attention function) decode eagerly and say why, once."""
+    norm) and H2O (its own attention function) decode eagerly and say why, once. LOCRET evicts while decoding
+    (a decode window of 4), between replays."""
     model = tiny_architecture("llama", len(tok))
-    built = {"locret": lambda: _locret(model), "full": lambda: make_policy("full")}.get(
+    built = {"locret": lambda: _locret(model, decode_window=4), "full": lambda: make_policy("full")}.get(
         policy, lambda: make_policy(policy, budget=48, local=8))
     made = []
     real_init = GraphStep.__init__
