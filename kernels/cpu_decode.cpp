@@ -348,6 +348,28 @@ at::Tensor int4_row(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 
 namespace {
 
+
+// x [K] (K a multiple of 32) as int8 per group of 32: q = round(x * 127 / max |x|), scale max |x| / 127 (0 for a
+// group of zeros). Writes the codes as int16 pairs (q[2i] low byte, q[2i+1] high: one input pair per maddubs
+// lane), the scales, and per group scale * sum(q) (the quantized row's sum, for the zero points).
+void quantize_row(const float* x, int64_t K, int16_t* pairs, float* scales, float* sums) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    float amax = 0.f;
+    for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(x[g * 32 + k]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t total = 0;
+    int8_t q[32];
+    for (int k = 0; k < 32; ++k) {
+      q[k] = static_cast<int8_t>(std::nearbyint(x[g * 32 + k] * inv));
+      total += q[k];
+    }
+    for (int k = 0; k < 32; k += 2)
+      pairs[g * 16 + k / 2] = static_cast<int16_t>(static_cast<uint8_t>(q[k]) | (static_cast<uint16_t>(static_cast<uint8_t>(q[k + 1])) << 8));
+    scales[g] = amax / 127.f;
+    sums[g] = scales[g] * static_cast<float>(total);
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // One row times torch's packed int4 weight with AVX2, for CPUs without AVX-512 (torch's own kernel is 20-40 %
 // slower there: bench/results/cpu-defaults-avx2/packed_row.txt). The layout as int4_row's, in blocks of B rows (torch packs 32 here, 64 where it uses
@@ -395,6 +417,95 @@ void int4_rows_avx2(const float* X, const uint8_t* P, const uint32_t* SZ, int64_
   });
 }
 
+
+// The same product with the row quantized to int8 per group of 32 inputs (scale = max |x| / 127, as llama.cpp's
+// Q8_0 activations), torch's block of 32 rows: the codes of inputs k and k + 1 are interleaved per row and
+// multiplied with the row's two int8 values in one `maddubs` (16 rows x 2 inputs per instruction, exact integer
+// sums), where the float path widens every code to fp32 first. y = W x^ exactly, x^ the quantized row
+// (kernels/packed.py `quantize_row` is its twin).
+void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, const uint8_t* P, const uint32_t* SZ,
+                       int64_t rows, int64_t K, float* Y) {
+  constexpr int B = 32, H = 16;
+  const int64_t groups = K / 32;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // per 128-bit lane [8 codes of input k, 8 of input k + 1] -> [row r: k, k + 1] for the lane's 8 rows
+  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  at::parallel_for(0, rows / B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = P + b * K * H;
+      __m256 res[4];
+      for (int a = 0; a < 4; ++a) res[a] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256i wide[4];  // int32 sums of rows 8a .. 8a + 7
+        for (int a = 0; a < 4; ++a) wide[a] = _mm256_setzero_si256();
+        for (int half = 0; half < 2; ++half) {  // 8 input pairs at a time: 16-bit sums stay below 8 x 3,810
+          __m256i lo_acc = _mm256_setzero_si256(), hi_acc = _mm256_setzero_si256();
+          for (int p = 0; p < 8; ++p) {
+            const int64_t k = g * 32 + half * 16 + 2 * p;
+            const __m256i x = _mm256_set1_epi16(XP[k / 2]);
+            // inputs k (low lane) and k + 1 (high lane), 16 bytes each: byte j = row j | row j + 16 << 4
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * H));
+            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            // qwords [k: rows 0-7, k+1: rows 0-7 | k: rows 8-15, k+1: rows 8-15], then bytes paired per row
+            const __m256i lo_rows = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(lo, 0xD8), pairs);
+            const __m256i hi_rows = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(hi, 0xD8), pairs);
+            lo_acc = _mm256_add_epi16(lo_acc, _mm256_maddubs_epi16(lo_rows, x));  // rows 0-15
+            hi_acc = _mm256_add_epi16(hi_acc, _mm256_maddubs_epi16(hi_rows, x));  // rows 16-31
+          }
+          wide[0] = _mm256_add_epi32(wide[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo_acc)));
+          wide[1] = _mm256_add_epi32(wide[1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo_acc, 1)));
+          wide[2] = _mm256_add_epi32(wide[2], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi_acc)));
+          wide[3] = _mm256_add_epi32(wide[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi_acc, 1)));
+        }
+        const __m256 xs = _mm256_set1_ps(XS[g]);
+        const __m256 sum = _mm256_set1_ps(XSUM[g]);
+        const __m256 sum8 = _mm256_set1_ps(8.f * XSUM[g]);
+        for (int a = 0; a < 4; ++a) {
+          const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(SZ + g * rows + b * B + 8 * a));
+          const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+          const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(pair, high16));
+          const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(wide[a]), xs);
+          res[a] = _mm256_fmadd_ps(scale, _mm256_sub_ps(dot, sum8), _mm256_fmadd_ps(zero, sum, res[a]));
+        }
+      }
+      for (int a = 0; a < 4; ++a) _mm256_storeu_ps(Y + b * B + 8 * a, res[a]);
+    }
+  });
+}
+
+// int8 weights [rows, K] (one scale per row) times the row quantized as above: per row and group of 32 inputs one
+// `maddubs` of |x| and the weights carrying x's sign (llama.cpp's trick: both operands of maddubs in range), one
+// `madd` into 8 int32 sums, scaled by the group's activation scale; 4 rows share each load of x.
+void int8_rows_q8_avx2(const int8_t* XQ, const float* XS, const int8_t* W, const at::BFloat16* S, int64_t rows,
+                       int64_t K, float* Y) {
+  const int64_t groups = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto hsum = [](__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  };
+  at::parallel_for(0, rows / 4, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = 4 * r0; r < 4 * r1; r += 4) {
+      __m256 acc[4];
+      for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(XQ + g * 32));
+        const __m256i ax = _mm256_sign_epi8(xq, xq);
+        const __m256 xs = _mm256_set1_ps(XS[g]);
+        for (int i = 0; i < 4; ++i) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + (r + i) * K + g * 32));
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, xq)), ones);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs, acc[i]);
+        }
+      }
+      for (int i = 0; i < 4; ++i) Y[r + i] = hsum(acc[i]) * static_cast<float>(S[r + i]);
+    }
+  });
+}
+
 #endif
 
 }  // namespace
@@ -412,6 +523,27 @@ at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Ten
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   const int64_t K = x.size(1);
+  if (bits == 4 && group == 32 && block == 32 && K % 32 == 0 && w.size(1) * 2 == K && w.size(0) % block == 0
+      && w.is_contiguous() && scales.is_contiguous()) {
+    const int64_t rows = w.size(0);
+    std::vector<int16_t> xp(K / 2);
+    std::vector<float> xs(K / 32), xsum(K / 32);
+    quantize_row(x.data_ptr<float>(), K, xp.data(), xs.data(), xsum.data());
+    auto y = torch::empty({1, rows}, x.options());
+    int4_rows_q8_avx2(xp.data(), xs.data(), xsum.data(), w.data_ptr<uint8_t>(),
+                      reinterpret_cast<const uint32_t*>(scales.data_ptr<at::BFloat16>()), rows, K, y.data_ptr<float>());
+    return out < rows ? y.narrow(-1, 0, out) : y;
+  }
+  if (bits == 8 && K % 32 == 0 && w.size(0) % 4 == 0 && w.size(1) == K && w.is_contiguous() && scales.is_contiguous()) {
+    const int64_t rows = w.size(0);
+    std::vector<int16_t> xp(K / 2);
+    std::vector<float> xs(K / 32), xsum(K / 32);
+    quantize_row(x.data_ptr<float>(), K, xp.data(), xs.data(), xsum.data());
+    auto y = torch::empty({1, rows}, x.options());
+    int8_rows_q8_avx2(reinterpret_cast<const int8_t*>(xp.data()), xs.data(), w.data_ptr<int8_t>(),
+                      scales.data_ptr<at::BFloat16>(), rows, K, y.data_ptr<float>());
+    return out < rows ? y.narrow(-1, 0, out) : y;
+  }
   if (bits == 4 && group == 32 && (block == 32 || block == 64) && K % 32 == 0 && w.size(1) * 2 == K
       && w.size(0) % block == 0 && w.is_contiguous() && scales.is_contiguous()) {
     const int64_t rows = w.size(0);

@@ -8,8 +8,10 @@ bits a step reads 4x or 8x fewer bytes than fp32. The weights are kept in the la
                                             a bf16 scale and zero: w = (code - 8) * scale + zero
 
 One fp32 row (a decoded token) goes through `packed_row` of the C++ decode kernels where they are built
-(kernels/cpu_decode.cpp: own int4 code for AVX-512 and AVX2, torch's int8 kernel), else through torch's kernels
-on a bf16 copy of the row. Those are matrix-vector kernels: their time grows with the rows, and at a prefill
+(kernels/cpu_decode.cpp: own int4 code for AVX-512; on AVX2 without it, int4 and int8 products on the row
+quantized to int8 per group of 32 inputs (`quantize_row`, as llama.cpp's Q8_0 activations: integer multiply-adds
+in place of widening every code to fp32); torch's int8 kernel elsewhere), else through torch's kernels on a bf16
+copy of the row. Those are matrix-vector kernels: their time grows with the rows, and at a prefill
 chunk of 512 rows they are no faster than fp32. A step of more than VECTOR_ROWS[bits] rows dequantizes the weight
 to bf16 and runs one bf16 matmul instead (where bf16 products are native, AVX-512; elsewhere in the input's
 dtype, as torch emulates bf16) (for 512 x 576 x 1536 on one core: fp32 10.2 ms, int8 5.1 ms, int4 7.3 ms, of
@@ -35,6 +37,15 @@ GROUP = 32  # int4: inputs per scale and zero
 BLOCK = 64  # int4: torch packs rows in blocks of 64
 VECTOR_ROWS = {8: 24, 4: 96}  # steps of at most this many rows use the packed kernels; more, a bf16 matmul
 _scratch = threading.local()  # the largest dequantized int4 weight of a prefill chunk, per thread
+
+
+def quantize_row(x: torch.Tensor) -> torch.Tensor:
+    """`x` `[..., K]` (K a multiple of 32) as packed_row's AVX2 code multiplies it: per group of 32 inputs,
+    round(x * 127 / max |x|) times max |x| / 127, in float32 (the C++ code's twin, for tests)."""
+    g = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127.0)).reshape(x.shape)
 
 
 class PackedLinear(nn.Module):
