@@ -514,6 +514,10 @@ void int8_rows_q8_avx2(const int8_t* XQ, const float* XS, const int8_t* W, const
 // scales [N], or int4 in torch's packed layout (`block` rows per block, groups of `group` inputs, rows padded
 // to whole blocks). int4 through int4_row on AVX-512 and int4_rows_avx2 on CPUs without it (30-40 % faster than
 // torch's kernel, bench/experiments/packed_row.py); int8 through torch's kernel. Returns float32 [1, out].
+bool row_int8 = true;  // AVX2: products on the row quantized to int8 (set_row_int8: the float way, to compare)
+
+void set_row_int8(bool on) { row_int8 = on; }
+
 at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, int64_t bits,
                       int64_t out, int64_t group, int64_t block) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.numel() == x_in.size(-1), "packed_row: one float32 row");
@@ -523,7 +527,7 @@ at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Ten
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   const int64_t K = x.size(1);
-  if (bits == 4 && group == 32 && block == 32 && K % 32 == 0 && w.size(1) * 2 == K && w.size(0) % block == 0
+  if (row_int8 && bits == 4 && group == 32 && block == 32 && K % 32 == 0 && w.size(1) * 2 == K && w.size(0) % block == 0
       && w.is_contiguous() && scales.is_contiguous()) {
     const int64_t rows = w.size(0);
     std::vector<int16_t> xp(K / 2);
@@ -534,7 +538,7 @@ at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Ten
                       reinterpret_cast<const uint32_t*>(scales.data_ptr<at::BFloat16>()), rows, K, y.data_ptr<float>());
     return out < rows ? y.narrow(-1, 0, out) : y;
   }
-  if (bits == 8 && K % 32 == 0 && w.size(0) % 4 == 0 && w.size(1) == K && w.is_contiguous() && scales.is_contiguous()) {
+  if (row_int8 && bits == 8 && K % 32 == 0 && w.size(0) % 4 == 0 && w.size(1) == K && w.is_contiguous() && scales.is_contiguous()) {
     const int64_t rows = w.size(0);
     std::vector<int16_t> xp(K / 2);
     std::vector<float> xs(K / 32), xsum(K / 32);
@@ -655,6 +659,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_row", &int4_row, "one row times torch's packed int4 weight (AVX-512)");
 #endif
   m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
+  m.def("set_row_int8", &set_row_int8, "AVX2: quantize the row to int8 for packed_row (default) or not");
   m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32");
