@@ -90,3 +90,21 @@ def test_gpu_decode_runs_every_way_on_a_cpu(tmp_path: Path, monkeypatch) -> None
     assert [r["way"] for r in rows] == ["graph (not taken: not CUDA)", "eager step", "forward"]
     assert all(r["decode_tok_s"] > 0 and r["kv_units_per_head"] >= 48 for r in rows)
     assert "| fp32 | eager step |" in (tmp_path / "out" / "gpu_decode.md").read_text()
+
+
+def test_gpu_prefill_profile_buckets_a_read(tmp_path: Path, monkeypatch) -> None:
+    """The GPU's prefill profile, rehearsed on a tiny model (CPU times): every bucket present, the marked heads and
+    eviction ranges found, the shares summing to the whole."""
+    import json
+
+    from tiny import save_tiny
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    model = save_tiny(tmp_path / "tiny")
+    script = load(EXPERIMENTS / "gpu_prefill_profile.py")
+    script.main(["--model", str(model), "--weights", "fp32", "--kv", "int8", "--budget", "48", "--length", "400",
+                 "--d-r", "64", "--out", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "prefill_profile.json").read_text())
+    split = result["buckets_ms"]
+    assert split["retaining heads"] > 0 and split["eviction"] > 0 and split["matmul"] > 0
+    assert abs(sum(split.values()) - result["device_ms"]) < 1.0 and result["prefill_tok_s"] > 0

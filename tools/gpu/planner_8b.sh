@@ -25,6 +25,7 @@
 #   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay vs eager step vs transformers' forward
 #           with nf4 weights, then bf16 and int8 weights through the graph (bench/experiments/gpu_decode.py);
 #           the same for SmolLM2-135M (b=1024, bf16 cache)
+#   step 7  where a 32K LOCRET prefill's GPU time goes, 8B nf4 at b=16,384 (bench/experiments/gpu_prefill_profile.py)
 
 set -o pipefail
 OUT=${1:?usage: tools/gpu/planner_8b.sh OUT_DIR}
@@ -33,7 +34,7 @@ cd "$(dirname "$0")/../.." || exit 1
 PY=${PY:-python3}
 . tools/gpu/env.sh
 DRY=${DRY:-0}
-STEPS=${STEPS:-"0 1 3 6 5 2 4"}
+STEPS=${STEPS:-"0 1 3 6 7 5 2 4"}
 MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
 CAPS=${CAPS:-"24 12 8"}
 LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
@@ -103,5 +104,7 @@ for step in $STEPS; do case $step in
        --budget 16384 --kv int8 --out "$OUT/decode-$BIG-bf16-int8"
    run "$OUT/decode-$SMALL.txt" $GD --model "$OUT/models/$SMALL" --weights bf16 --budget 1024 --kv none \
        --out "$OUT/decode-$SMALL" ;;
+7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$OUT/models/$BIG" \
+       --weights nf4 --kv int8 --budget 16384 --length ${LEN6:-32768} --out "$OUT/prefill-profile-$BIG" ;;
 esac; done
 echo "done: $OUT (summary.txt: exit code, seconds, command)"
