@@ -19,6 +19,8 @@ says it once and decodes eagerly).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from localchat.engine.cache import KVCache
@@ -71,7 +73,8 @@ class GraphStep:
     (default: on a CUDA device); `reason` says why it runs eagerly when capture failed."""
 
     def __init__(self, model, cache: KVCache, heads=None, capture: bool | None = None):
-        self.model, self.cache, self.heads = model, cache, heads
+        self.model, self.heads = model, heads
+        self._cache = weakref.ref(cache)  # an engine keeps its last step: it must not keep a finished chat's cache
         inner = model.model
         device = inner.embed_tokens.weight.device
         self.layers = inner.layers[: model.config.num_hidden_layers]
@@ -85,6 +88,10 @@ class GraphStep:
         self.bound = None  # the buffers the graph was captured on
         self.reason: str | None = None
         self.heads_dtype = next(heads.parameters()).dtype if heads is not None else None
+
+    @property
+    def cache(self) -> KVCache | None:
+        return self._cache()
 
     # --- host side: the cache's lengths, the inputs, capture and replay ----------------------------------------
 
@@ -141,14 +148,20 @@ class GraphStep:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS sets up (writes this step's unit)
-                self._body()
+                eager = self._body().clone()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = self._body()
+            graph.replay()  # the same step again: the replay must give what the eager body gave
+            agree = torch.allclose(out.float(), eager.float(), rtol=1e-2, atol=1e-2 * float(eager.abs().max()))
         except Exception as exc:  # noqa: BLE001 - a layer that cannot be captured: decode eagerly
             self.capture = False
             self.reason = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''})"
+            return
+        if not agree:
+            self.capture = False
+            self.reason = "the captured step's logits differ from the eager step's"
             return
         self.graph, self.out, self.bound = graph, out, bound
 
