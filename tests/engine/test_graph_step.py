@@ -202,3 +202,20 @@ def test_the_captured_step_replays_the_eager_one(kv, tok):
     for x, y in zip(ours.layers, theirs.layers):
         torch.testing.assert_close(x.scores, y.scores, rtol=2e-2, atol=2e-2)
         assert torch.equal(x.positions, y.positions)
+
+
+def test_the_engine_keeps_no_finished_cache(tok, monkeypatch):
+    """The engine keeps its last step for a chat's next turn, but not the cache of a chat that is gone."""
+    import gc
+    import weakref
+
+    _Cuda(monkeypatch)
+    engine = Engine(tiny_architecture("llama", len(tok)), tok, chunk=32, policy=make_policy("full"))
+    ids = engine.encode("hello there " * 10)
+    cache = engine.new_cache(len(ids), 4)
+    *_, done = engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=4, ignore_eos=True))
+    assert isinstance(done, Done) and engine._graph is not None and engine._graph.cache is cache
+    gone = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert gone() is None and engine._graph.cache is None
