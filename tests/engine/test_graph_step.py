@@ -219,3 +219,42 @@ def test_the_engine_keeps_no_finished_cache(tok, monkeypatch):
     del cache
     gc.collect()
     assert gone() is None and engine._graph.cache is None
+
+
+def _nf4(model):
+    """The model's layers' projections as bitsandbytes nf4 layers (bf16 compute), quantized on the CPU."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=torch.bfloat16, quant_type="nf4")
+                    q.load_state_dict(child.state_dict())
+                    setattr(parent, name, q.to("cpu"))
+    return model
+
+
+@pytest.mark.parametrize("weights", ["bf16", "nf4"])
+def test_bf16_and_nf4_weights(weights, tok):
+    """The step's body over bf16 weights and over bitsandbytes' nf4 layers (what a GPU runs, here on the CPU):
+    the logits of transformers' forward, within bf16's rounding."""
+    model = tiny_architecture("llama", len(tok)).to(torch.bfloat16)
+    if weights == "nf4":
+        model = _nf4(model)
+        assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    engine = Engine(model, tok, chunk=32, policy=_locret(model))
+    ids = torch.randint(3, len(tok) - 3, (1, 120), generator=torch.Generator().manual_seed(1))
+    ours, theirs = _read(engine, model, ids), _read(engine, model, ids)
+    policy = engine.policy
+    step = GraphStep(model, ours, heads=policy.unit_heads())
+    for i, token in enumerate((5, 17, 9)):
+        a = step.step(token, 120 + i).float()
+        b = forward(model, theirs, torch.tensor([[token]]), 120 + i).float()
+        policy._flush(theirs)
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+        assert a.argmax() == b.argmax()
+    for x, y in zip(ours.layers, theirs.layers):
+        torch.testing.assert_close(x.scores, y.scores, rtol=2e-2, atol=2e-2)
+    policy.detach()
