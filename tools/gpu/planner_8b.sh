@@ -9,7 +9,7 @@
 # Resumable: a step whose output file exists is skipped, so a short GPU window can run it again and go on. The
 # default order puts the 128K read and the decode figures before the plans of every cap.
 # Knobs: DRY=1 prints the commands; STEPS="0 1 2 3 4" picks steps; MODELS="llama-3.1-8b-instruct
-# phi-3-mini-128k-instruct" (configs in tests/data/configs); TOKENIZER (a folder: the random models' tokenizer,
+# phi-3-mini-128k-instruct" (configs in tests/data/configs); MODELS_DIR (default OUT/models); TOKENIZER (a folder: the random models' tokenizer,
 # where the default model is not installed); CAPS="24 12 8" (GB, LOCALCHAT_GPU_MEMORY_GB: the
 # allocator is capped there to stand for an RTX 4090 / 4070 / 4060); LENGTHS="32768 65536 98304 131072" (full
 # attention's failure search); PY (default python3).
@@ -38,6 +38,7 @@ STEPS=${STEPS:-"0 1 3 6 7 5 2 4"}
 MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
 CAPS=${CAPS:-"24 12 8"}
 LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
+MODELS_DIR=${MODELS_DIR:-$OUT/models}  # the random models (16 GB for the 8B): outside OUT where OUT travels back
 BIG=llama-3.1-8b-instruct
 SMALL=smollm2-135m-instruct
 LC="$PY -m localchat"
@@ -75,36 +76,36 @@ EOF
 for step in $STEPS; do case $step in
 0) run "$OUT/env.txt" bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
 1) for m in $MODELS $SMALL; do
-       [ -s "$OUT/models/$m/localchat-random-model.json" ] && { echo "skip (done): model $m"; continue; }
-       run "$OUT/build-$m.txt" $LC bench random-model "tests/data/configs/$m.json" "$OUT/models/$m" \
+       [ -s "$MODELS_DIR/$m/localchat-random-model.json" ] && { echo "skip (done): model $m"; continue; }
+       run "$OUT/build-$m.txt" $LC bench random-model "tests/data/configs/$m.json" "$MODELS_DIR/$m" \
            ${TOKENIZER:+--tokenizer "$TOKENIZER"}
    done ;;
 2) for m in $MODELS; do for cap in $CAPS; do
-       run "$OUT/plan-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$OUT/models/$m" --heads random plan --json
-       run "$OUT/verify-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$OUT/models/$m" --heads random plan --verify --json
+       run "$OUT/plan-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$MODELS_DIR/$m" --heads random plan --json
+       run "$OUT/verify-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$MODELS_DIR/$m" --heads random plan --verify --json
    done; done ;;
 3) f=$(doc 131072)
    [ "$DRY" = 1 ] || { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 200 > "$OUT/gpu-busy-128k.csv" & }
    SMI=$!
-   run "$OUT/read-128k-$BIG-24gb.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --model "$OUT/models/$BIG" --heads random \
+   run "$OUT/read-128k-$BIG-24gb.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --model "$MODELS_DIR/$BIG" --heads random \
        --max-new-tokens 64 ask --file "$f" --stats "What is the last number in the document?"
    [ "$DRY" = 1 ] || kill $SMI ;;
 4) for n in $LENGTHS; do
        f=$(doc "$n")
-       run "$OUT/full-$n-$BIG-24gb.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --model "$OUT/models/$BIG" --policy full \
+       run "$OUT/full-$n-$BIG-24gb.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --model "$MODELS_DIR/$BIG" --policy full \
            --max-new-tokens 8 ask --file "$f" --stats "What is the last number in the document?"
        grep -q "^[1-9]" <(tail -1 "$OUT/summary.txt" 2>/dev/null) && break  # the first failure is the answer
    done ;;
 5) run "$OUT/tests-graph-step.txt" $PY -m pytest -q -p no:cacheprovider tests/engine/test_graph_step.py \
        tests/kernels/test_kernels.py ;;
 6) GD="$PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128"
-   run "$OUT/decode-$BIG-nf4.txt" $GD --model "$OUT/models/$BIG" --weights nf4 --budget 16384 --kv int8 \
+   run "$OUT/decode-$BIG-nf4.txt" $GD --model "$MODELS_DIR/$BIG" --weights nf4 --budget 16384 --kv int8 \
        --out "$OUT/decode-$BIG-nf4"
-   run "$OUT/decode-$BIG-bf16-int8.txt" $GD --model "$OUT/models/$BIG" --weights bf16,int8 --ways graph \
+   run "$OUT/decode-$BIG-bf16-int8.txt" $GD --model "$MODELS_DIR/$BIG" --weights bf16,int8 --ways graph \
        --budget 16384 --kv int8 --out "$OUT/decode-$BIG-bf16-int8"
-   run "$OUT/decode-$SMALL.txt" $GD --model "$OUT/models/$SMALL" --weights bf16 --budget 1024 --kv none \
+   run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
        --out "$OUT/decode-$SMALL" ;;
-7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$OUT/models/$BIG" \
+7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$MODELS_DIR/$BIG" \
        --weights nf4 --kv int8 --budget 16384 --length ${LEN6:-32768} --out "$OUT/prefill-profile-$BIG" ;;
 esac; done
 echo "done: $OUT (summary.txt: exit code, seconds, command)"
