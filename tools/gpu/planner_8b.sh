@@ -96,7 +96,7 @@ for step in $STEPS; do case $step in
            --max-new-tokens 8 ask --file "$f" --stats "What is the last number in the document?"
        grep -q "^[1-9]" <(tail -1 "$OUT/summary.txt" 2>/dev/null) && break  # the first failure is the answer
    done ;;
-5) run "$OUT/tests-graph-step.txt" $PY -m pytest -q -p no:cacheprovider tests/engine/test_graph_step.py \
+5) run "$OUT/tests-graph-step.txt" $PY -m pytest -q -p no:cacheprovider -m "not model and not slow" tests/engine/test_graph_step.py \
        tests/kernels/test_kernels.py ;;
 6) GD="$PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128"
    run "$OUT/decode-$BIG-nf4.txt" $GD --model "$MODELS_DIR/$BIG" --weights nf4 --budget 16384 --kv int8 \
