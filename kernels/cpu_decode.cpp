@@ -423,8 +423,16 @@ void int4_rows_avx2(const float* X, const uint8_t* P, const uint32_t* SZ, int64_
 // multiplied with the row's two int8 values in one `maddubs` (16 rows x 2 inputs per instruction, exact integer
 // sums), where the float path widens every code to fp32 first. y = W x^ exactly, x^ the quantized row
 // (kernels/packed.py `quantize_row` is its twin).
-void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, const uint8_t* P, const uint32_t* SZ,
-                       int64_t rows, int64_t K, float* Y) {
+// Several weights may share one row and one parallel region (q, k, v; gate, up): their blocks are one range.
+struct Int4Part {
+  const uint8_t* P;
+  const uint32_t* SZ;
+  int64_t rows;
+  float* Y;
+};
+
+void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, const std::vector<Int4Part>& parts,
+                       int64_t K) {
   constexpr int B = 32, H = 16;
   const int64_t groups = K / 32;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -432,9 +440,16 @@ void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, co
   // per 128-bit lane [8 codes of input k, 8 of input k + 1] -> [row r: k, k + 1] for the lane's 8 rows
   const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                          0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  at::parallel_for(0, rows / B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* blk = P + b * K * H;
+  std::vector<int64_t> first(parts.size() + 1, 0);  // the first block of each part in the shared range
+  for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + parts[i].rows / B;
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    size_t i = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= first[i + 1]) ++i;
+      const int64_t b = t - first[i], rows = parts[i].rows;
+      const uint32_t* SZ = parts[i].SZ;
+      float* Y = parts[i].Y;
+      const uint8_t* blk = parts[i].P + b * K * H;
       __m256 res[4];
       for (int a = 0; a < 4; ++a) res[a] = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; ++g) {
@@ -518,6 +533,10 @@ bool row_int8 = true;  // AVX2: products on the row quantized to int8 (set_row_i
 
 void set_row_int8(bool on) { row_int8 = on; }
 
+bool together = true;  // layer_step: q/k/v and gate/up in one parallel region each (set_together: apart, to compare)
+
+void set_together(bool on) { together = on; }
+
 at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, int64_t bits,
                       int64_t out, int64_t group, int64_t block) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.numel() == x_in.size(-1), "packed_row: one float32 row");
@@ -534,8 +553,8 @@ at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Ten
     std::vector<float> xs(K / 32), xsum(K / 32);
     quantize_row(x.data_ptr<float>(), K, xp.data(), xs.data(), xsum.data());
     auto y = torch::empty({1, rows}, x.options());
-    int4_rows_q8_avx2(xp.data(), xs.data(), xsum.data(), w.data_ptr<uint8_t>(),
-                      reinterpret_cast<const uint32_t*>(scales.data_ptr<at::BFloat16>()), rows, K, y.data_ptr<float>());
+    int4_rows_q8_avx2(xp.data(), xs.data(), xsum.data(), {{w.data_ptr<uint8_t>(),
+                      reinterpret_cast<const uint32_t*>(scales.data_ptr<at::BFloat16>()), rows, y.data_ptr<float>()}}, K);
     return out < rows ? y.narrow(-1, 0, out) : y;
   }
   if (row_int8 && bits == 8 && K % 32 == 0 && w.size(0) % 4 == 0 && w.size(1) == K && w.is_contiguous() && scales.is_contiguous()) {
@@ -619,6 +638,43 @@ at::Tensor linear_row(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return y;
 }
 
+// Linears `idx` of a layer (layer_step's weights / meta) times one row, their int4 products in one parallel region
+// on the row quantized once (AVX2 without AVX-512); empty when one of them is not such a product.
+std::vector<at::Tensor> rows_together(const at::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                      const std::vector<int64_t>& meta, std::initializer_list<int> idx) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  const int64_t K = x.size(-1);
+  if (!together || !row_int8 || K % 32 != 0 || !x.is_contiguous()) return {};
+  for (int i : idx) {
+    const auto& w = weights[3 * i];
+    if (meta[4 * i] != 4 || meta[4 * i + 2] != 32 || meta[4 * i + 3] != 32 || w.size(1) * 2 != K ||
+        !w.is_contiguous() || !weights[3 * i + 1].is_contiguous())
+      return {};
+  }
+  std::vector<int16_t> xp(K / 2);
+  std::vector<float> xs(K / 32), xsum(K / 32);
+  quantize_row(x.data_ptr<float>(), K, xp.data(), xs.data(), xsum.data());
+  std::vector<at::Tensor> out;
+  std::vector<Int4Part> parts;
+  for (int i : idx) {
+    const auto& w = weights[3 * i];
+    out.push_back(torch::empty({1, w.size(0)}, x.options()));
+    parts.push_back({w.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(weights[3 * i + 1].data_ptr<at::BFloat16>()),
+                     w.size(0), out.back().data_ptr<float>()});
+  }
+  int4_rows_q8_avx2(xp.data(), xs.data(), xsum.data(), parts, K);
+  size_t j = 0;
+  for (int i : idx) {
+    auto& y = out[j++];
+    if (meta[4 * i + 1] < y.size(1)) y = y.narrow(-1, 0, meta[4 * i + 1]);
+    if (weights[3 * i + 2].numel()) y = y + weights[3 * i + 2].to(at::kFloat);
+  }
+  return out;
+#else
+  return {};
+#endif
+}
+
 }  // namespace
 
 // One decoder layer of a Llama-layout model (pre-norm attention and SwiGLU MLP) for one decoded token.
@@ -644,11 +700,13 @@ std::vector<torch::Tensor> layer_step(torch::Tensor h, torch::Tensor norm_in, to
     positions.data_ptr<int64_t>()[k * positions.stride(0) + slot * positions.stride(1)] = position;
   }
   const auto x = rms_norm(h, norm_in, eps);
-  auto qkv = at::cat({lin(0, x), lin(1, x), lin(2, x)}, -1);
+  auto three = rows_together(x, weights, meta, {0, 1, 2});
+  auto qkv = three.empty() ? at::cat({lin(0, x), lin(1, x), lin(2, x)}, -1) : at::cat(three, -1);
   const auto attn = attend_token(qkv, cos, sin, k_cache, v_cache, slot, scale, heads_q, heads_kv);
   h = h + lin(3, attn);
   const auto y = rms_norm(h, norm_post, eps);
-  const auto act = at::silu(lin(4, y)) * lin(5, y);
+  auto two = rows_together(y, weights, meta, {4, 5});
+  const auto act = two.empty() ? at::silu(lin(4, y)) * lin(5, y) : at::silu(two[0]) * two[1];
   h = h + lin(6, act);
   return {h, qkv};
 }
@@ -660,6 +718,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
   m.def("set_row_int8", &set_row_int8, "AVX2: quantize the row to int8 for packed_row (default) or not");
+  m.def("set_together", &set_together, "layer_step: q/k/v and gate/up in one parallel region each (default) or not");
   m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32");

@@ -117,3 +117,38 @@ def test_a_quantized_cache_keeps_its_fused_decode(tok):
     model = tiny_architecture("llama", len(tok))
     engine = Engine(model, tok, chunk=32, kv="int8", policy=make_policy("streaming", budget=48, local=8))
     assert not decode_step.supported(model, engine.new_cache(100, 4))
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_packed_int4_layers_give_the_forward_logits(together, tok):
+    """int4 weights (engine/packed_store.py) through the whole-layer C++ step, its q/k/v and gate/up products in one
+    parallel region each (`together`, on AVX2 CPUs) or one region per product: transformers' forward through the
+    same packed layers, step after step."""
+    from localchat.engine import packed_store
+    from localchat.kernels.packed import PackedLinear
+
+    native = cpu_decode.kernels()
+    assert native is not None, cpu_decode.reason()
+    model = tiny_architecture("llama", len(tok))
+    packed_store.pack(model, 4)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
+    engine = Engine(model, tok, chunk=32, policy=_locret(model))
+    ids = torch.randint(3, len(tok) - 3, (1, 150), generator=torch.Generator().manual_seed(2))
+    ours, _ = _read(engine, model, ids)
+    theirs, _ = _read(engine, model, ids)
+    policy = engine.policy
+    lean = DecodeStep(model, ours, on_qkv=policy.qkv_sink())
+    assert _took(lean) == "layers"
+    native.set_together(together)
+    try:
+        for i, token in enumerate([5, 17, 9]):
+            a = lean.step(torch.tensor([[token]]), 150 + i)
+            policy._flush(ours)
+            b = forward(model, theirs, torch.tensor([[token]]), 150 + i)
+            policy._flush(theirs)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    finally:
+        native.set_together(True)
+    for x, y in zip(ours.layers, theirs.layers):
+        torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
+    policy.detach()
