@@ -55,6 +55,49 @@ def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+# (query heads, KV heads, head_dim, capacity, held, tail capacity, tail held, bits, rotate)
+GRAPH_CASES = [
+    (9, 3, 64, 300, 200, 40, 5, 4, True),  # SmolLM2's GQA, the packed part and a tail
+    (4, 2, 96, 80, 77, 8, 0, 2, False),  # head_dim not a power of two, no tail yet
+    (32, 8, 128, 700, 0, 70, 64, 8, True),  # nothing packed yet: the tail alone
+    (9, 3, 64, 300, 250, 0, 0, 0, False),  # the plain cache (bits 0): keys and values as they are
+    (8, 8, 128, 130, 1, 0, 0, 0, False),  # one unit held
+]
+
+
+@pytest.mark.parametrize("hq,h,d,cap,n,tcap,nt,bits,rotate", GRAPH_CASES)
+def test_graph_attention_reads_only_the_units_held(hq, h, d, cap, n, tcap, nt, bits, rotate):
+    """kernels/graph_attn.py (a captured decode step's attention: buffers at capacity, lengths in device memory):
+    the Triton kernel equals its twin, both equal attention over the held units alone, and whatever lies past the
+    lengths (NaN here) is never read."""
+    from localchat.kernels import graph_attn
+
+    g = torch.Generator().manual_seed(cap + n)
+    q = torch.randn(1, hq, 1, d, generator=g).to(DEV)
+    if bits:
+        main = quantized(h, cap, d, bits, seed=cap)
+        tk, tv = (torch.randn(1, h, tcap, d, generator=g).to(DEV) for _ in range(2))
+        tk[:, :, nt:], tv[:, :, nt:] = float("nan"), float("nan")
+    else:
+        main = {name: torch.randn(1, h, cap, d, generator=g).to(DEV) for name in ("k", "v")}
+        main["k"][:, :, n:], main["v"][:, :, n:] = float("nan"), float("nan")
+        tk = tv = None
+    lens = torch.tensor([n, nt], dtype=torch.long, device=DEV)
+    inv = inv_freq(d).to(DEV) if rotate else None
+    args = (q, main, tk, tv, lens, bits, group_size(d), d**-0.5, inv)
+    got, twin = graph_attn.attention_triton(*args), graph_attn.attention_torch(*args)
+    if bits:
+        held = {k: v[:, :, :n] for k, v in main.items()}
+        want = qattn.decode_attention_torch(q, held, tk[:, :, :nt], tv[:, :, :nt], bits, group_size(d), d**-0.5, inv)
+    else:
+        grouped = q.reshape(1, h, hq // h, d)
+        want = torch.nn.functional.scaled_dot_product_attention(grouped, main["k"][:, :, :n], main["v"][:, :, :n],
+                                                                scale=d**-0.5).reshape(1, 1, hq, d)
+    assert torch.isfinite(got).all() and torch.isfinite(twin).all()
+    torch.testing.assert_close(got, twin, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(twin, want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_attention_twin_equals_the_dequantize_then_sdpa_path():
     """The twin is what the cache's own dequantized() + SDPA gives (the path used before the kernels)."""
     torch.manual_seed(0)
