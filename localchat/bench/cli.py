@@ -21,7 +21,7 @@ USAGE = """examples:
   localchat bench decode --out DIR --weights fp32,int8,int4 --repeat 3
   localchat bench serve --out DIR --peer llama.cpp
   localchat bench kernels --out DIR
-  localchat bench cross-check DIR_A DIR_B [--out FILE.md]
+  localchat bench cross-check DIR_A DIR_B [--weights-a W] [--weights-b W] [--out FILE.md]
   localchat bench side-by-side DIR
   localchat bench by-length --out DIR SRC_DIR [SRC_DIR ...] [--budget 1024]
   localchat bench plot-training RUN_DIR/train-log.json OUT.png
@@ -132,6 +132,8 @@ def add_parser(subparsers) -> None:
     check.add_argument("a", help="a bench --out directory (A)")
     check.add_argument("b", help="another bench --out directory (B)")
     check.add_argument("--out", help="also write the table to this file (e.g. cross-check.md)")
+    check.add_argument("--weights-a", default="fp32", help="the weights of A's rows to pair (default fp32)")
+    check.add_argument("--weights-b", default="fp32", help="the weights of B's rows to pair (default fp32)")
     side = sub.add_parser("side-by-side", help="every policy's mean score, KV kept and peak memory, one table")
     side.add_argument("dir", help="a bench --out directory with the grid's 4K and 7,680 cells")
     by_len = sub.add_parser("by-length", help="accuracy against document length per policy, from several results dirs")

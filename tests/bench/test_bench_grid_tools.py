@@ -58,9 +58,23 @@ def test_cross_check_pairs_cpu_rows_with_fp32_gpu_rows(tmp_path, capsys):
                                     _row("locret", True, 1, "bf16", "H100", budget=512)])  # no bf16 pair
     lines = crosscheck.compare(crosscheck.fp32_rows(cpu), crosscheck.fp32_rows(gpu))
     assert lines[-1] == "| all | | | | | | 2 | 1 | 1 | 2 | 1 |"
-    assert crosscheck.main(Namespace(a=str(cpu), b=str(gpu), out=None)) == 0
+    assert crosscheck.main(Namespace(a=str(cpu), b=str(gpu), out=None, weights_a="fp32", weights_b="fp32")) == 0
     text = capsys.readouterr().out
     assert f"`localchat bench cross-check {cpu} {gpu}`" in text and lines[-1] in text
+
+
+def test_cross_check_pairs_fp32_rows_with_int4_rows(tmp_path, capsys):
+    """The weights' precision on one machine: a CPU's fp32 rows (weights null) against its int4 rows."""
+    fp32 = _write(tmp_path / "fp32", [_row("locret", True, 0, output="12345"), _row("locret", False, 1, output="9")])
+    int4 = _write(tmp_path / "int4", [_row("locret", True, 0, "int4", output="12345"),
+                                      _row("locret", True, 1, "int4", output="7"),
+                                      _row("locret", True, 2, "int4")])  # no fp32 pair
+    assert crosscheck.fp32_rows(int4) == {}  # int4 rows are not fp32 rows
+    lines = crosscheck.compare(crosscheck.fp32_rows(fp32), crosscheck.fp32_rows(int4, "int4"))
+    assert lines[-1] == "| all | | | | | | 2 | 1 | 1 | 1 | 2 |"
+    assert crosscheck.main(Namespace(a=str(fp32), b=str(int4), out=None, weights_a="fp32", weights_b="int4")) == 0
+    text = capsys.readouterr().out
+    assert f"`localchat bench cross-check {fp32} {int4} --weights-b int4`" in text and lines[-1] in text
 
 
 def test_side_by_side_means_over_tasks_and_medians_memory(tmp_path, capsys):
