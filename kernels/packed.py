@@ -157,10 +157,16 @@ def fits_int4(in_features: int) -> bool:
     return in_features % GROUP == 0 and layout_ok()
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per output row: codes [N, K] int8 and bf16 scales [N] (computed from the rounded scale)."""
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)
-    codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+def quantize_int8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output row: codes [N, K] int8 and bf16 scales [N] (computed from the rounded scale), `rows` at
+    a time: the fp32 temporaries of an output layer (49,152 x 576 for SmolLM2) stay a few MB."""
+    codes = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], dtype=torch.bfloat16)
+    for a in range(0, w.shape[0], rows):
+        part = w[a:a + rows].float()
+        scale = (part.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)
+        codes[a:a + rows] = torch.round(part / scale.float()[:, None]).clamp(-127, 127)
+        scales[a:a + rows] = scale
     return codes, scales
 
 

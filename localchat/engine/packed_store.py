@@ -65,8 +65,6 @@ def entry(key: str) -> Path:
 def pack(model: nn.Module, bits: int) -> str:
     """Replace the linear layers of `model` (on the CPU) by PackedLinear, from the disk entry where one exists;
     else pack them and save the entry. Returns "loaded", "packed" or "packed (not saved: why)"."""
-    from safetensors.torch import save_file
-
     layers = plan(model, bits)
     path = entry(fingerprint(model, layers))
     if path.is_file():
@@ -84,7 +82,7 @@ def pack(model: nn.Module, bits: int) -> str:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file(state, str(tmp))
+        write(tmp, state)
         os.replace(tmp, path)
         _prune(path.parent)
     except OSError as exc:
@@ -93,6 +91,24 @@ def pack(model: nn.Module, bits: int) -> str:
 
 
 DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BF16": torch.bfloat16, "F32": torch.float32, "I32": torch.int32}
+
+
+def write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` as a safetensors file, each tensor's bytes written from its own memory (safetensors' save_file
+    builds the whole file in memory first: 100 MB more at the first start's peak for SmolLM2)."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
 
 
 def read(path: Path) -> dict[str, torch.Tensor]:

@@ -32,6 +32,12 @@ def test_the_second_start_loads_what_the_first_packed_and_computes_the_same(stor
     assert not [m for m in first.modules() if type(m) is torch.nn.Linear]  # every linear layer was packed
     assert {m.bits for m in first.model.modules() if isinstance(m, PackedLinear)} == {bits}
     want = logits(first)
+    from safetensors.torch import load_file  # the entry is a safetensors file any reader takes
+
+    entry = next(store.glob("*.safetensors"))
+    theirs, ours = load_file(str(entry)), packed_store.read(entry)
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    assert torch.equal(ours["lm_head.codes"], first.lm_head.codes)
 
     def no_quantizing(*_):
         raise AssertionError("quantized again")
