@@ -30,3 +30,19 @@ def test_wheel_ships_data_inside_the_package(tmp_path):
     assert tops <= {"localchat", next(t for t in tops if t.endswith(".dist-info"))}, tops
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "localchat = localchat.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_openmp_threads_wait_passively_unless_the_user_chose(tmp_path):
+    """localchat sets OMP_WAIT_POLICY before torch loads OpenMP (spinning threads starve a busy CPU); a user's own
+    value wins."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import localchat, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "PASSIVE"
+    run = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
+                         text=True, check=True)
+    assert run.stdout.strip() == "ACTIVE"
