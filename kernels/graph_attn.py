@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from localchat.kernels import use_triton
-from localchat.kernels.qattn import _kernels, dequantized_keys_values, plan_splits
+from localchat.kernels.qattn import dequantized_keys_values, split_attention
 
 
 def attention(query, main, tail_k, tail_v, lens, bits: int, group: int, scaling: float, inv_freq=None):
@@ -56,37 +56,10 @@ def attention_torch(query, main, tail_k, tail_v, lens, bits, group, scaling, inv
 
 
 def attention_triton(query, main, tail_k, tail_v, lens, bits, group, scaling, inv_freq=None):
-    import triton
-
-    k = _kernels()
-    h_q, d = query.shape[1], query.shape[-1]
     if bits:
-        kc, vc, ks, kz, vs, vz = (main[name] for name in ("qk", "qv", "ks", "kz", "vs", "vz"))
+        packed = [main[name] for name in ("qk", "ks", "kz", "qv", "vs", "vz")]
     else:
-        kc, vc = main["k"], main["v"]
-        ks = kz = vs = vz = kc  # not read
+        packed = [main["k"], main["k"], main["k"], main["v"], main["v"], main["v"]]  # scales, zeros: not read
     if tail_k is None:  # the plain cache: the tail program finds 0 units (lens[1])
-        tail_k, tail_v = kc, vc
-    h, capacity = kc.shape[1], kc.shape[2]
-    for t in (kc, vc, ks, kz, vs, vz, tail_k, tail_v, query):
-        if t.stride(-1) != 1:
-            raise ValueError("decode attention needs tensors contiguous along their last axis")
-    d_pad = triton.next_power_of_2(d)
-    block = 64 if d_pad <= 64 else 32
-    splits, per_split = plan_splits(capacity, h_q, block)
-    programs = splits + 1
-    parts = torch.empty((h_q, programs, d), device=query.device, dtype=torch.float32)
-    lse = torch.empty((h_q, programs), device=query.device, dtype=torch.float32)
-    rotate = inv_freq is not None and bits > 0
-    inv = inv_freq.to(query.device, torch.float32) if rotate else lse
-    k.qattn_split_kernel[(h_q, programs)](
-        query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse, lens,
-        0, 0, per_split, float(scaling), query.stride(1),
-        kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2), ks.stride(1), ks.stride(2), kz.stride(1),
-        kz.stride(2), vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
-        tail_k.stride(1), tail_k.stride(2), tail_v.stride(1), tail_v.stride(2),
-        Q_PER_KV=h_q // h, D=d, D_PAD=d_pad, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=True,
-    )
-    out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
-    k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs))
-    return out
+        tail_k, tail_v = main["k"], main["v"]
+    return split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_freq, packed[0].shape[2], lens)

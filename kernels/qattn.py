@@ -99,32 +99,43 @@ def plan_splits(nq: int, h_q: int, block: int) -> tuple[int, int]:
 
 
 def decode_attention_triton(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq=None):
+    kc = quant["qk"]
+    nq, nt = kc.shape[2], tail_k.shape[2]
+    if nq + nt == 0:
+        raise ValueError("decode attention over an empty cache")
+    return split_attention(query, [quant[name] for name in ("qk", "ks", "kz", "qv", "vs", "vz")], tail_k, tail_v,
+                           bits, group, scaling, inv_freq, nq, (nq, nt))
+
+
+def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_freq, units, lengths):
+    """The split kernel and its merge. `packed`: keys' codes, scales, zeros and values' (or plain keys and values
+    with `bits` 0: the same tensor in the scale and zero places, not read); the grid is planned for `units`;
+    `lengths`: (quantized units, tail units) as numbers, or an int tensor `[2]` on the device (a captured step)."""
     import triton
 
     k = _kernels()
-    h_q, d = query.shape[1], query.shape[-1]
-    kc, vc, ks, kz, vs, vz = (quant[name] for name in ("qk", "qv", "ks", "kz", "vs", "vz"))
-    h, nq, nt = kc.shape[1], kc.shape[2], tail_k.shape[2]
-    if nq + nt == 0:
-        raise ValueError("decode attention over an empty cache")
+    kc, ks, kz, vc, vs, vz = packed
+    h_q, d, h = query.shape[1], query.shape[-1], kc.shape[1]
     for t in (kc, vc, ks, kz, vs, vz, tail_k, tail_v, query):
         if t.stride(-1) != 1:
             raise ValueError("decode attention needs tensors contiguous along their last axis")
     d_pad = triton.next_power_of_2(d)
     block = 64 if d_pad <= 64 else 32
-    splits, per_split = plan_splits(nq, h_q, block)
+    splits, per_split = plan_splits(units, h_q, block)
     programs = splits + 1  # the last one per head reads the tail
     parts = torch.empty((h_q, programs, d), device=query.device, dtype=torch.float32)
     lse = torch.empty((h_q, programs), device=query.device, dtype=torch.float32)
-    rotate = inv_freq is not None
+    rotate = inv_freq is not None and bits > 0
     inv = inv_freq.to(query.device, torch.float32) if rotate else lse  # unused when not rotating
+    in_memory = isinstance(lengths, torch.Tensor)
+    n, nt = (0, 0) if in_memory else lengths
     k.qattn_split_kernel[(h_q, programs)](
-        query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse, lse,
-        nq, nt, per_split, float(scaling), query.stride(1),
+        query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse, lengths if in_memory else lse,
+        n, nt, per_split, float(scaling), query.stride(1),
         kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2), ks.stride(1), ks.stride(2), kz.stride(1),
         kz.stride(2), vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
         tail_k.stride(1), tail_k.stride(2), tail_v.stride(1), tail_v.stride(2),
-        Q_PER_KV=h_q // h, D=d, D_PAD=d_pad, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=False,
+        Q_PER_KV=h_q // h, D=d, D_PAD=d_pad, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=in_memory,
     )
     out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
     k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs))

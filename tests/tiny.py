@@ -79,3 +79,18 @@ def tiny_architecture(name: str, vocab_size: int):
     m = AutoModelForCausalLM.from_config(config).float().eval()
     m.requires_grad_(False)
     return m
+
+
+def read_attached(engine, model, ids, chunk: int = 32):
+    """`ids` read by chunked prefill into a new cache, with the engine's policy attached (and left attached, so
+    decode steps after it are scored); returns (cache, the last logits)."""
+    from localchat.engine.prefill import prefill
+
+    cache = engine.new_cache(ids.shape[-1], 16)
+    engine.policy.attach(model, cache)
+    run = prefill(model, cache, ids, chunk=chunk, policy=engine.policy)
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return cache, stop.value

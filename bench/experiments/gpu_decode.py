@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from localchat.bench.perf import _sync
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done, Error
 from localchat.engine.graph_step import GraphStep
@@ -47,11 +48,6 @@ def _done(events) -> Done:
 def _way(engine: Engine, way: str) -> None:
     engine.graph_decode = way == "graph"
     engine.lean_decode = way != "forward"
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _tokens(engine: Engine, n: int, seed: int) -> list[int]:

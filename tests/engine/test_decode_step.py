@@ -11,10 +11,10 @@ from localchat.engine.engine import Engine
 from localchat.engine.events import Done
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
-from localchat.engine.prefill import forward, prefill
+from localchat.engine.prefill import forward
 from localchat.engine.sampling import GenerationSettings
 from localchat.kernels import cpu_decode
-from tiny import ARCHITECTURES, tiny_architecture, tiny_tokenizer
+from tiny import ARCHITECTURES, read_attached, tiny_architecture, tiny_tokenizer
 
 LEAN = ["llama", "mistral", "qwen2", "qwen3"]  # Llama's layer layout; Phi-3 fuses q/k/v and keeps transformers'
 
@@ -27,17 +27,6 @@ def tok():
 def _locret(model):
     heads = RetainingHeads.random(model, d_r=32)
     return make_policy("locret", budget=48, stabilizers=8, local=8, decode_window=4, heads=heads)
-
-
-def _read(engine, model, ids):
-    cache = engine.new_cache(ids.shape[-1], 16)
-    engine.policy.attach(model, cache)
-    run = prefill(model, cache, ids, chunk=32, policy=engine.policy)
-    while True:
-        try:
-            next(run)
-        except StopIteration as stop:
-            return cache, stop.value
 
 
 PATHS = ["layers", "ops", "torch"]  # a C++ call per layer; C++ attention and norms between torch ops; torch only
@@ -66,8 +55,8 @@ def test_a_step_gives_transformers_logits_and_cache(arch, path, tok, monkeypatch
     model = tiny_architecture(arch, len(tok))
     engine = Engine(model, tok, chunk=32, policy=_locret(model))
     ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1))
-    ours, _ = _read(engine, model, ids)
-    theirs, _ = _read(engine, model, ids)
+    ours, _ = read_attached(engine, model, ids)
+    theirs, _ = read_attached(engine, model, ids)
     assert decode_step.supported(model, ours)
     policy = engine.policy
     lean = DecodeStep(model, ours, on_qkv=policy.qkv_sink())
@@ -134,8 +123,8 @@ def test_packed_int4_layers_give_the_forward_logits(together, tok):
     assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
     engine = Engine(model, tok, chunk=32, policy=_locret(model))
     ids = torch.randint(3, len(tok) - 3, (1, 150), generator=torch.Generator().manual_seed(2))
-    ours, _ = _read(engine, model, ids)
-    theirs, _ = _read(engine, model, ids)
+    ours, _ = read_attached(engine, model, ids)
+    theirs, _ = read_attached(engine, model, ids)
     policy = engine.policy
     lean = DecodeStep(model, ours, on_qkv=policy.qkv_sink())
     assert _took(lean) == "layers"

@@ -14,10 +14,10 @@ from localchat.engine.events import Done, Notice
 from localchat.engine.graph_step import GraphStep
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
-from localchat.engine.prefill import forward, prefill
+from localchat.engine.prefill import forward
 from localchat.engine.qattention import FusedDecode
 from localchat.engine.sampling import GenerationSettings
-from tiny import tiny_architecture, tiny_tokenizer
+from tiny import read_attached, tiny_architecture, tiny_tokenizer
 
 LEAN = ["llama", "qwen2", "qwen3"]  # Llama's layout, q/k/v biases, per-head q/k norms (Mistral's is Llama's)
 
@@ -32,24 +32,13 @@ def _locret(model, decode_window: int = 0):
     return make_policy("locret", budget=48, stabilizers=8, local=8, decode_window=decode_window, heads=heads)
 
 
-def _read(engine, model, ids):
-    cache = engine.new_cache(ids.shape[-1], 16)
-    engine.policy.attach(model, cache)
-    run = prefill(model, cache, ids, chunk=32, policy=engine.policy)
-    while True:
-        try:
-            next(run)
-        except StopIteration:
-            return cache
-
-
 def _steps(arch, tok, kv="none", positions="compact", residual=None, tokens=(5, 17, 9, 40, 3, 11)):
     """Decode `tokens` on two copies of one LOCRET read: through GraphStep (eagerly) and through transformers'
     forward with the retaining heads' hooks; assert logits, then return both caches."""
     model = tiny_architecture(arch, len(tok))
     engine = Engine(model, tok, chunk=32, policy=_locret(model), kv=kv, positions=positions)
     ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1))
-    ours, theirs = _read(engine, model, ids), _read(engine, model, ids)
+    ours, theirs = read_attached(engine, model, ids)[0], read_attached(engine, model, ids)[0]
     policy = engine.policy
     if residual is not None:  # the tail is quantized within a few steps
         for layer in [*ours.layers, *theirs.layers]:
@@ -125,7 +114,7 @@ def test_what_keeps_a_model_from_the_step(tok):
     model = tiny_architecture("llama", len(tok))
     engine = Engine(model, tok, chunk=32, policy=_locret(model))
     ids = torch.randint(3, len(tok) - 3, (1, 100), generator=torch.Generator().manual_seed(1))
-    cache = _read(engine, model, ids)
+    cache = read_attached(engine, model, ids)[0]
     heads = engine.policy.unit_heads()
     assert graph_step.why_not(model, cache, heads) is None
     assert "watches model.layers.0.self_attn.q_proj" in graph_step.why_not(model, cache, None)  # hooks, no heads
@@ -191,7 +180,7 @@ def test_the_captured_step_replays_the_eager_one(kv, tok):
     model = tiny_architecture("llama", len(tok)).cuda().to(torch.bfloat16)
     engine = Engine(model, tok, chunk=32, policy=_locret(model), kv=kv)
     ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1)).cuda()
-    ours, theirs = _read(engine, model, ids), _read(engine, model, ids)
+    ours, theirs = read_attached(engine, model, ids)[0], read_attached(engine, model, ids)[0]
     heads = engine.policy.unit_heads()
     captured, eager = GraphStep(model, ours, heads), GraphStep(model, theirs, heads, capture=False)
     assert captured.capture
@@ -246,7 +235,7 @@ def test_bf16_and_nf4_weights(weights, tok):
         assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     engine = Engine(model, tok, chunk=32, policy=_locret(model))
     ids = torch.randint(3, len(tok) - 3, (1, 120), generator=torch.Generator().manual_seed(1))
-    ours, theirs = _read(engine, model, ids), _read(engine, model, ids)
+    ours, theirs = read_attached(engine, model, ids)[0], read_attached(engine, model, ids)[0]
     policy = engine.policy
     step = GraphStep(model, ours, heads=policy.unit_heads())
     for i, token in enumerate((5, 17, 9)):
