@@ -59,6 +59,9 @@ def qattn_split_kernel(
         qp = tl.load(q_ptr + hq * q_h + partner, mask=cmask, other=0.0).to(tl.float32) * scaling
         sign = tl.where(cols < HALF, -1.0, 1.0)
         inv = tl.load(inv_ptr + (cols % HALF), mask=cmask, other=0.0)
+        # angle (first + j)·inv by the addition rule: cos/sin of j·inv once here, of first·inv once per block
+        step = tl.arange(0, BLOCK).to(tl.float32)[:, None] * inv[None, :]
+        cos_j, sin_j = tl.cos(step), tl.sin(step)
 
     tail = split == programs - 1
     q_start = tl.where(tail, 0, split * per_split)
@@ -74,8 +77,11 @@ def qattn_split_kernel(
         k = _rows(kc_ptr, ks_ptr, kz_ptr, h * kc_h + units * kc_u, h * ks_h + units * ks_u,
                   h * kz_h + units * kz_u, cols, umask, BITS, G)
         if ROTATE:
-            angle = units.to(tl.float32)[:, None] * inv[None, :]
-            s = tl.sum(k * (q[None, :] * tl.cos(angle) - sign[None, :] * qp[None, :] * tl.sin(angle)), axis=1)
+            base = (first + cols * 0).to(tl.float32) * inv
+            cos_b, sin_b = tl.cos(base)[None, :], tl.sin(base)[None, :]
+            cos_a = cos_b * cos_j - sin_b * sin_j
+            sin_a = sin_b * cos_j + cos_b * sin_j
+            s = tl.sum(k * (q[None, :] * cos_a - sign[None, :] * qp[None, :] * sin_a), axis=1)
         else:
             s = tl.sum(k * q[None, :], axis=1)
         s = tl.where(live, s, float("-inf"))

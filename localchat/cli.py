@@ -172,8 +172,19 @@ def stats_line(engine, done) -> str:
         f"[{engine.policy.name}, {engine.positions} positions] read {done.prompt_tokens:,} tokens at "
         f"{done.prefill_tps:,.0f} tok/s; kept {done.kv_tokens:,} units per KV head per layer "
         f"({done.kv_bytes / mib:,.1f} MiB, {done.compression:.1f}x smaller than full); "
-        f"wrote {done.new_tokens} tokens at {done.decode_tps:,.1f} tok/s"
+        f"wrote {done.new_tokens} tokens at {done.decode_tps:,.1f} tok/s{_gpu_peak(engine)}"
     )
+
+
+def _gpu_peak(engine) -> str:
+    """On CUDA: the process's peak of allocated (and reserved) GPU memory, the figure a plan predicts."""
+    if getattr(engine, "device", None) is None or engine.device.type != "cuda":
+        return ""
+    import torch
+
+    gib = 1024**3
+    return (f"; GPU peak {torch.cuda.max_memory_allocated(engine.device) / gib:.2f} GiB allocated, "
+            f"{torch.cuda.max_memory_reserved(engine.device) / gib:.2f} GiB reserved")
 
 
 def run_policies() -> int:

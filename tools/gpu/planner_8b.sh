@@ -18,13 +18,16 @@
 #           for the 8B)
 #   step 2  per model x cap: `plan --json` (the precision and budget chosen) and `plan --verify --json` (one chunk
 #           on a full cache: measured peak vs planned)
-#   step 3  the 8B at 24 GB: a 128K-token document read end to end by `ask --stats` at the plan's choice, with
-#           nvidia-smi sampling the GPU's busy share; prefill and decode tok/s are in the stats line
+#   step 3  the 8B at 24 GB: a 128K-token document read end to end by `ask --stats` with `--profile rtx4090` (nf4
+#           weights, int8 cache, b=16,384), nvidia-smi sampling the GPU's busy share; the stats line has prefill and
+#           decode tok/s and the peak of GPU memory
 #   step 4  the 8B at 24 GB, --policy full: the first length in LENGTHS that fails (one-line refusal or OOM)
 #   step 5  the captured decode step's tests on CUDA (graph replay = eager body; the kernels' tests)
 #   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay vs eager step vs transformers' forward
 #           with nf4 weights, then bf16 and int8 weights through the graph (bench/experiments/gpu_decode.py);
 #           the same for SmolLM2-135M (b=1024, bf16 cache)
+#   step 8  decode attention alone at the 8B's and SmolLM2's shapes (bench/experiments/gpu_attn.py; KERNELS: other
+#           versions of kernels/_qattn_triton.py to time beside the tree's, files in the tree)
 #   step 7  where a 32K LOCRET prefill's GPU time goes, 8B nf4 at b=16,384 (bench/experiments/gpu_prefill_profile.py)
 
 set -o pipefail
@@ -34,7 +37,7 @@ cd "$(dirname "$0")/../.." || exit 1
 PY=${PY:-python3}
 . tools/gpu/env.sh
 DRY=${DRY:-0}
-STEPS=${STEPS:-"0 1 3 6 7 5 2 4"}
+STEPS=${STEPS:-"0 8 1 3 6 7 5 2 4"}
 MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
 CAPS=${CAPS:-"24 12 8"}
 LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
@@ -67,7 +70,7 @@ out, count = [], 0
 while count < n:
     s = " ".join(rng.choice(words) for _ in range(12)) + f" {rng.randrange(10**6)}."
     out.append(s.capitalize())
-    count += 16  # about 16 tokens a sentence for this tokenizer
+    count += 21  # about 21 tokens a sentence for the random models' tokenizer (16 gave 171,724 for 131,072)
 open(path, "w").write("\n".join(out) + "\n")
 EOF
     echo "$f"
@@ -87,8 +90,8 @@ for step in $STEPS; do case $step in
 3) f=$(doc 131072)
    [ "$DRY" = 1 ] || { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 200 > "$OUT/gpu-busy-128k.csv" & }
    SMI=$!
-   run "$OUT/read-128k-$BIG-24gb.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --model "$MODELS_DIR/$BIG" --heads random \
-       --max-new-tokens 64 ask --file "$f" --stats "What is the last number in the document?"
+   run "$OUT/read-128k-$BIG-rtx4090.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --profile rtx4090 --model "$MODELS_DIR/$BIG" \
+       --heads random --max-new-tokens 64 ask --file "$f" --stats "What is the last number in the document?"
    [ "$DRY" = 1 ] || kill $SMI ;;
 4) for n in $LENGTHS; do
        f=$(doc "$n")
@@ -105,6 +108,9 @@ for step in $STEPS; do case $step in
        --budget 16384 --kv int8 --out "$OUT/decode-$BIG-bf16-int8"
    run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
        --out "$OUT/decode-$SMALL" ;;
+8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
+   run "$OUT/attn-$SMALL.txt" $PY bench/experiments/gpu_attn.py --units 1167 --q-heads 9 --kv-heads 3 --head-dim 64 \
+       --layers 30 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$SMALL.json" ;;
 7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$MODELS_DIR/$BIG" \
        --weights nf4 --kv int8 --budget 16384 --length ${LEN6:-32768} --out "$OUT/prefill-profile-$BIG" ;;
 esac; done

@@ -1,0 +1,96 @@
+"""Decode attention alone at a model's shape: the split kernel over a cache of `--units` units, per call and per
+token (times the layers), for the int8/int4 cache with and without the in-kernel RoPE, and the plain bf16 cache.
+
+    python bench/experiments/gpu_attn.py [--units 16527] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
+        [--layers 32] [--kernels FILE ...] [--out OUT.json]
+`--kernels FILE`: also time another version of kernels/_qattn_triton.py (an A/B in one process). Random cache
+contents (speed only). On a CPU the Triton interpreter runs it (a dry run: set TRITON_INTERPRET=1, tiny shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+
+import torch
+
+from localchat.kernels import graph_attn, qattn
+from localchat.kernels.quant import group_size, quantize
+
+
+def inv_freq(d: int, base: float = 500000.0) -> torch.Tensor:
+    return 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+
+
+def cache(h: int, n: int, d: int, bits: int, dev: str) -> dict[str, torch.Tensor]:
+    if not bits:
+        return {name: torch.randn(1, h, n, d, device=dev, dtype=torch.bfloat16) for name in ("k", "v")}
+    out = {}
+    for names in (("qk", "ks", "kz"), ("qv", "vs", "vz")):
+        out.update(zip(names, quantize(torch.randn(1, h, n, d, device=dev), bits, group_size(d))))
+    return out
+
+
+def timed(fn, repeat: int, dev: str) -> float:
+    """Median milliseconds of a call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--units", type=int, default=16527)
+    p.add_argument("--tail", type=int, default=64)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--kernels", nargs="*", default=[])
+    p.add_argument("--out")
+    args = p.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    h, hq, d, n = args.kv_heads, args.q_heads, args.head_dim, args.units
+    q = torch.randn(1, hq, 1, d, device=dev, dtype=torch.bfloat16)
+    tk, tv = (torch.randn(1, h, args.tail, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([n, args.tail], dtype=torch.long, device=dev)
+    inv = inv_freq(d).to(dev)
+    versions = {"tree": qattn._kernels()}
+    for path in args.kernels:
+        spec = importlib.util.spec_from_file_location(f"kernels_{len(versions)}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        versions[path] = mod
+    rows = []
+    for bits, rotate in ((8, True), (8, False), (4, True), (0, False)):
+        main_ = cache(h, n, d, bits, dev)
+        tails = (tk, tv) if bits else (None, None)
+        for name, mod in versions.items():
+            qattn._KERNELS = mod
+            ms = timed(lambda: graph_attn.attention_triton(q, main_, *tails, lens, bits, group_size(d), d**-0.5,
+                                                           inv if rotate else None), args.repeat, dev)
+            size = sum(t.numel() * t.element_size() for t in main_.values())
+            rows.append({"kernels": name, "bits": bits, "rotate": rotate, "ms_per_call": round(ms, 4),
+                         "ms_per_token": round(ms * args.layers, 3), "cache_gb_per_s": round(size / ms / 1e6, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    qattn._KERNELS = versions["tree"]
+    result = {"rows": rows, "setup": vars(args), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+              "torch": torch.__version__}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
