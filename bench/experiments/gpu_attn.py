@@ -1,8 +1,8 @@
 """Decode attention alone at a model's shape: the split kernel over a cache of `--units` units, per call and per
-token (times the layers), for the int8/int4 cache with and without the in-kernel RoPE, and the plain bf16 cache.
+token (times the layers; on CUDA the GPU's time from a replayed CUDA graph, as inside the captured step), for the int8/int4 cache with and without the in-kernel RoPE, and the plain bf16 cache.
 
     python bench/experiments/gpu_attn.py [--units 16527] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
-        [--layers 32] [--kernels FILE ...] [--out OUT.json]
+        [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--out OUT.json]
 `--kernels FILE`: also time another version of kernels/_qattn_triton.py (an A/B in one process). Random cache
 contents (speed only). On a CPU the Triton interpreter runs it (a dry run: set TRITON_INTERPRET=1, tiny shapes).
 """
@@ -33,8 +33,9 @@ def cache(h: int, n: int, d: int, bits: int, dev: str) -> dict[str, torch.Tensor
     return out
 
 
-def timed(fn, repeat: int, dev: str) -> float:
-    """Median milliseconds of a call."""
+def timed(fn, repeat: int, dev: str) -> tuple[float, float | None]:
+    """(median wall milliseconds of a call, launches included; on CUDA the GPU's milliseconds per call from a
+    CUDA graph of `repeat` calls replayed: the figure inside a captured decode step)."""
     fn()
     times = []
     for _ in range(repeat):
@@ -45,10 +46,22 @@ def timed(fn, repeat: int, dev: str) -> float:
         if dev == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000)
-    return sorted(times)[len(times) // 2]
+    wall = sorted(times)[len(times) // 2]
+    if dev != "cuda":
+        return wall, None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    return wall, (time.perf_counter() - t0) * 1000 / repeat
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--units", type=int, default=16527)
     p.add_argument("--tail", type=int, default=64)
@@ -58,8 +71,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--kernels", nargs="*", default=[])
+    p.add_argument("--programs", default=str(qattn.TARGET_PROGRAMS),
+                   help="comma-separated values of qattn.TARGET_PROGRAMS to time (the split planner's target)")
     p.add_argument("--out")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     h, hq, d, n = args.kv_heads, args.q_heads, args.head_dim, args.units
     q = torch.randn(1, hq, 1, d, device=dev, dtype=torch.bfloat16)
@@ -72,18 +87,27 @@ def main() -> None:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         versions[path] = mod
-    rows = []
+    rows, default_programs = [], qattn.TARGET_PROGRAMS
     for bits, rotate in ((8, True), (8, False), (4, True), (0, False)):
         main_ = cache(h, n, d, bits, dev)
         tails = (tk, tv) if bits else (None, None)
+        size = sum(t.numel() * t.element_size() for t in main_.values())
+        first = None
         for name, mod in versions.items():
-            qattn._KERNELS = mod
-            ms = timed(lambda: graph_attn.attention_triton(q, main_, *tails, lens, bits, group_size(d), d**-0.5,
-                                                           inv if rotate else None), args.repeat, dev)
-            size = sum(t.numel() * t.element_size() for t in main_.values())
-            rows.append({"kernels": name, "bits": bits, "rotate": rotate, "ms_per_call": round(ms, 4),
-                         "ms_per_token": round(ms * args.layers, 3), "cache_gb_per_s": round(size / ms / 1e6, 1)})
-            print(json.dumps(rows[-1]), flush=True)
+            for programs in map(int, args.programs.split(",")):
+                qattn._KERNELS, qattn.TARGET_PROGRAMS = mod, programs
+                call = lambda: graph_attn.attention_triton(q, main_, *tails, lens, bits, group_size(d), d**-0.5,  # noqa: E731
+                                                           inv if rotate else None)
+                out = call().float()
+                first = out if first is None else first
+                wall, gpu = timed(call, args.repeat, dev)
+                rows.append({"kernels": name, "programs": programs, "bits": bits, "rotate": rotate,
+                             "ms_per_call": round(wall, 4), "gpu_ms_per_call": None if gpu is None else round(gpu, 4),
+                             "ms_per_token": round((gpu or wall) * args.layers, 3),
+                             "cache_gb_per_s": round(size / (gpu or wall) / 1e6, 1),
+                             "max_diff_from_first": float((out - first).abs().max())})
+                print(json.dumps(rows[-1]), flush=True)
+    qattn.TARGET_PROGRAMS = default_programs
     qattn._KERNELS = versions["tree"]
     result = {"rows": rows, "setup": vars(args), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
               "torch": torch.__version__}

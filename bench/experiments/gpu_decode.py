@@ -26,7 +26,7 @@ import torch
 
 from localchat.bench.perf import _sync
 from localchat.engine.engine import Engine
-from localchat.engine.events import Done, Error
+from localchat.engine.events import Done, Error, Notice
 from localchat.engine.graph_step import GraphStep
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
@@ -36,8 +36,10 @@ from localchat.errors import UserError
 WAYS = ("graph", "eager step", "forward")
 
 
-def _done(events) -> Done:
+def _done(events, notes: list | None = None) -> Done:
     for event in events:
+        if isinstance(event, Notice) and notes is not None:
+            notes.append(event.message)
         if isinstance(event, Error):
             raise SystemExit(f"error: {event.message}")
         if isinstance(event, Done):
@@ -56,12 +58,12 @@ def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
     return torch.randint(vocab // 8, vocab // 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _decode(engine: Engine, cache, at: int, tokens: int, seed: int) -> tuple[Done, object]:
+def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None) -> tuple[Done, object]:
     """`tokens` greedy tokens after a 16-token follow-up on a copy of `cache`; (Done, the copy)."""
     copy = cache.clone()
     follow = _tokens(engine, 16, seed)
     settings = GenerationSettings(max_new_tokens=tokens, ignore_eos=True)
-    return _done(engine.continue_on(copy, follow, at, settings)), copy
+    return _done(engine.continue_on(copy, follow, at, settings), notes), copy
 
 
 def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> float | None:
@@ -107,14 +109,15 @@ def measure(args) -> dict:
         at = args.length + 1
         for way in args.ways.split(","):
             _way(engine, way)
-            _decode(engine, cache, at, 4, seed=2)  # warm-up (a capture, Triton compiles)
-            done, _ = _decode(engine, cache, at, args.tokens, seed=3)
+            notes = []  # the engine's one line when it decodes eagerly
+            _decode(engine, cache, at, 4, seed=2, notes=notes)  # warm-up (a capture, Triton compiles)
+            done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes)
             took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
             replay = _replay_ms(engine) if way == "graph" else None
             kernel = _kernel_ms(engine, cache, at, args.profile_tokens)
             rows.append({
-                "weights": weights, "way": way if way != "graph" or took else "graph (not taken: not CUDA)",
+                "weights": weights, "way": way if way != "graph" or took else f"graph (not taken: {'; '.join(notes) or 'not CUDA'})",
                 "decode_tok_s": round(done.decode_tps, 1), "ms_per_token": round(ms_token, 3),
                 "gpu_kernel_ms_per_token": None if kernel is None else round(kernel, 3),
                 "gpu_busy_share": None if kernel is None else round(min(kernel / ms_token, 1.0), 3),

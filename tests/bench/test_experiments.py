@@ -108,3 +108,21 @@ def test_gpu_prefill_profile_buckets_a_read(tmp_path: Path, monkeypatch) -> None
     split = result["buckets_ms"]
     assert split["retaining heads"] > 0 and split["eviction"] > 0 and split["matmul"] > 0
     assert abs(sum(split.values()) - result["device_ms"]) < 1.0 and result["prefill_tok_s"] > 0
+
+
+def test_gpu_attn_times_every_cache_and_kernel_version(tmp_path: Path, monkeypatch) -> None:
+    """The decode-attention timer, rehearsed under Triton's interpreter: a row per cache, kernel file and split
+    target, and every version gives the same attention."""
+    import json
+
+    from localchat.kernels import qattn
+
+    script = load(EXPERIMENTS / "gpu_attn.py")
+    kernel_file = Path(qattn.__file__).with_name("_qattn_triton.py")
+    script.main(["--units", "40", "--tail", "3", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
+                 "--layers", "2", "--repeat", "1", "--kernels", str(kernel_file), "--programs", "4,64",
+                 "--out", str(tmp_path / "attn.json")])
+    rows = json.loads((tmp_path / "attn.json").read_text())["rows"]
+    assert len(rows) == 4 * 2 * 2 and {r["programs"] for r in rows} == {4, 64}
+    assert all(r["max_diff_from_first"] < 1e-2 and r["ms_per_call"] > 0 for r in rows)
+    assert qattn.TARGET_PROGRAMS == 264 and qattn._KERNELS.__name__.endswith("_qattn_triton")
