@@ -2,7 +2,8 @@
 
 `qattn_split_kernel`, grid (query heads, splits + 1): program (hq, s < splits) attends to its split of the
 quantized units, the last program of each head to the full-precision tail; each writes a partial output and
-its log-sum-exp. `merge_kernel`, grid (query heads,): the softmax-weighted sum of the partials.
+its log-sum-exp. `qattn_group_kernel`, grid (KV heads, splits + 1): the same for all query heads of a KV head
+at once (GQA: each unit read once). `merge_kernel`, grid (query heads,): the softmax-weighted sum of the partials.
 Lengths are not specialised on (`do_not_specialize`): a decode step adds a unit, and a new compile per
 length would cost far more than the step. With `LENS` the two lengths are read from device memory
 (`lens_ptr`: quantized units, tail units) and the grid is sized for the cache's capacity: a captured decode
@@ -109,6 +110,85 @@ def qattn_split_kernel(
     empty = l_i == 0.0  # a tail program with no tail
     tl.store(out_ptr + (hq * programs + split) * D + cols, acc / tl.where(empty, 1.0, l_i), mask=cmask)
     tl.store(lse_ptr + hq * programs + split, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))))
+
+
+@triton.jit(do_not_specialize=["n", "nt", "per_split"])
+def qattn_group_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, inv_ptr, out_ptr, lse_ptr, lens_ptr,
+    n, nt, per_split, scaling, q_h,
+    kc_h, kc_u, vc_h, vc_u, ks_h, ks_u, kz_h, kz_u, vs_h, vs_u, vz_h, vz_u, tk_h, tk_u, tv_h, tv_u,
+    Q_PER_KV: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+    G: tl.constexpr, ROTATE: tl.constexpr, BLOCK: tl.constexpr, LENS: tl.constexpr,
+):
+    """qattn_split_kernel with one program per (KV head, split) for all its Q_PER_KV query heads (QP: that
+    number padded to a power of two): each unit is read, dequantized and rotated once, not once per query head.
+    The same outputs, in the same places."""
+    if LENS:
+        n = tl.load(lens_ptr).to(tl.int32)
+        nt = tl.load(lens_ptr + 1).to(tl.int32)
+    h = tl.program_id(0)
+    split = tl.program_id(1)
+    programs = tl.num_programs(1)
+    heads = tl.arange(0, QP)
+    hmask = heads < Q_PER_KV
+    hq = h * Q_PER_KV + heads
+    cols = tl.arange(0, D_PAD)
+    cmask = cols < D
+    qmask = hmask[:, None] & cmask[None, :]
+    q = tl.load(q_ptr + hq[:, None] * q_h + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scaling
+    if ROTATE:  # R(i)k = k·cos + sign·k[partner]·sin, rotated once for the group
+        HALF: tl.constexpr = D // 2
+        partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
+        sign = tl.where(cols < HALF, -1.0, 1.0)
+        inv = tl.load(inv_ptr + (cols % HALF), mask=cmask, other=0.0)
+        step = tl.arange(0, BLOCK).to(tl.float32)[:, None] * inv[None, :]
+        cos_j, sin_j = tl.cos(step), tl.sin(step)
+
+    tail = split == programs - 1
+    q_start = tl.where(tail, 0, split * per_split)
+    q_stop = tl.where(tail, 0, tl.minimum(q_start + per_split, n))
+    t_stop = tl.where(tail, nt, 0)
+    m_i = tl.full([QP], float("-inf"), tl.float32)
+    l_i = tl.zeros([QP], tl.float32)
+    acc = tl.zeros([QP, D_PAD], tl.float32)
+    for first in range(q_start, q_stop, BLOCK):
+        units = first + tl.arange(0, BLOCK)
+        live = units < q_stop
+        umask = live[:, None] & cmask[None, :]
+        k_rows, ks_rows, kz_rows = h * kc_h + units * kc_u, h * ks_h + units * ks_u, h * kz_h + units * kz_u
+        k = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, cols, umask, BITS, G)
+        if ROTATE:
+            kp = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, partner, umask, BITS, G)
+            base = (first + cols * 0).to(tl.float32) * inv
+            cos_b, sin_b = tl.cos(base)[None, :], tl.sin(base)[None, :]
+            k = k * (cos_b * cos_j - sin_b * sin_j) + sign[None, :] * kp * (sin_b * cos_j + cos_b * sin_j)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [QP, BLOCK]
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = _rows(vc_ptr, vs_ptr, vz_ptr, h * vc_h + units * vc_u, h * vs_h + units * vs_u,
+                  h * vz_h + units * vz_u, cols, umask, BITS, G)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    for first in range(0, t_stop, BLOCK):  # the full-precision tail (keys already at their RoPE positions)
+        units = first + tl.arange(0, BLOCK)
+        live = units < t_stop
+        umask = live[:, None] & cmask[None, :]
+        k = tl.load(tk_ptr + h * tk_h + units[:, None] * tk_u + cols[None, :], mask=umask, other=0.0).to(tl.float32)
+        s = tl.where(live[None, :], tl.sum(q[:, None, :] * k[None, :, :], axis=2), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(tv_ptr + h * tv_h + units[:, None] * tv_u + cols[None, :], mask=umask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    empty = l_i == 0.0
+    rows = hq * programs + split
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], acc / tl.where(empty, 1.0, l_i)[:, None], mask=qmask)
+    tl.store(lse_ptr + rows, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))), mask=hmask)
 
 
 @triton.jit(do_not_specialize=["parts"])

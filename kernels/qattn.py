@@ -77,7 +77,8 @@ def decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, i
 
 _KERNELS = None
 TARGET_PROGRAMS = 264  # about two per SM of an H100: enough splits to fill the GPU at short lengths
-MAX_SPLITS = 63
+MAX_SPLITS = 127
+GROUPED = True  # one program per KV head and split for its query heads (qattn_group_kernel), else per query head
 
 
 def _kernels():
@@ -90,10 +91,11 @@ def _kernels():
     return _KERNELS
 
 
-def plan_splits(nq: int, h_q: int, block: int) -> tuple[int, int]:
-    """(splits, units per split): enough programs to fill the GPU, each split a whole number of blocks."""
+def plan_splits(nq: int, heads: int, block: int) -> tuple[int, int]:
+    """(splits, units per split): enough programs over `heads` (the grid's first axis) to fill the GPU, each split
+    a whole number of blocks."""
     blocks = -(-nq // block)
-    splits = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // h_q), blocks))
+    splits = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // heads), blocks))
     per_split = -(-blocks // splits) * block
     return -(-nq // per_split) if nq else 0, per_split
 
@@ -120,8 +122,12 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
         if t.stride(-1) != 1:
             raise ValueError("decode attention needs tensors contiguous along their last axis")
     d_pad = triton.next_power_of_2(d)
-    block = 64 if d_pad <= 64 else 32
-    splits, per_split = plan_splits(units, h_q, block)
+    qp = triton.next_power_of_2(h_q // h)
+    if GROUPED:  # a [query heads, BLOCK, d] product per block: about 8K values
+        block = max(16, min(64, 8192 // (qp * d_pad)))
+    else:
+        block = 64 if d_pad <= 64 else 32
+    splits, per_split = plan_splits(units, h if GROUPED else h_q, block)
     programs = splits + 1  # the last one per head reads the tail
     parts = torch.empty((h_q, programs, d), device=query.device, dtype=torch.float32)
     lse = torch.empty((h_q, programs), device=query.device, dtype=torch.float32)
@@ -129,13 +135,16 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
     inv = inv_freq.to(query.device, torch.float32) if rotate else lse  # unused when not rotating
     in_memory = isinstance(lengths, torch.Tensor)
     n, nt = (0, 0) if in_memory else lengths
-    k.qattn_split_kernel[(h_q, programs)](
+    kernel, grid, extra = ((k.qattn_group_kernel, (h, programs), {"QP": qp}) if GROUPED
+                           else (k.qattn_split_kernel, (h_q, programs), {}))
+    kernel[grid](
         query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse, lengths if in_memory else lse,
         n, nt, per_split, float(scaling), query.stride(1),
         kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2), ks.stride(1), ks.stride(2), kz.stride(1),
         kz.stride(2), vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
         tail_k.stride(1), tail_k.stride(2), tail_v.stride(1), tail_v.stride(2),
         Q_PER_KV=h_q // h, D=d, D_PAD=d_pad, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=in_memory,
+        **extra,
     )
     out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
     k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs))

@@ -2,7 +2,7 @@
 token (times the layers; on CUDA the GPU's time from a replayed CUDA graph, as inside the captured step), for the int8/int4 cache with and without the in-kernel RoPE, and the plain bf16 cache.
 
     python bench/experiments/gpu_attn.py [--units 16527] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
-        [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--out OUT.json]
+        [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--grouped 1,0] [--out OUT.json]
 `--kernels FILE`: also time another version of kernels/_qattn_triton.py (an A/B in one process). Random cache
 contents (speed only). On a CPU the Triton interpreter runs it (a dry run: set TRITON_INTERPRET=1, tiny shapes).
 """
@@ -73,6 +73,8 @@ def main(argv=None) -> None:
     p.add_argument("--kernels", nargs="*", default=[])
     p.add_argument("--programs", default=str(qattn.TARGET_PROGRAMS),
                    help="comma-separated values of qattn.TARGET_PROGRAMS to time (the split planner's target)")
+    p.add_argument("--grouped", default="1,0",
+                   help="qattn.GROUPED values to time: 1 one program per KV head and split, 0 per query head")
     p.add_argument("--out")
     args = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,27 +89,30 @@ def main(argv=None) -> None:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         versions[path] = mod
-    rows, default_programs = [], qattn.TARGET_PROGRAMS
+    rows, defaults = [], (qattn.TARGET_PROGRAMS, qattn.GROUPED)
     for bits, rotate in ((8, True), (8, False), (4, True), (0, False)):
         main_ = cache(h, n, d, bits, dev)
         tails = (tk, tv) if bits else (None, None)
         size = sum(t.numel() * t.element_size() for t in main_.values())
         first = None
         for name, mod in versions.items():
-            for programs in map(int, args.programs.split(",")):
-                qattn._KERNELS, qattn.TARGET_PROGRAMS = mod, programs
+            for grouped, programs in [(g == "1", int(p)) for g in args.grouped.split(",")
+                                      for p in args.programs.split(",")]:
+                if grouped and not hasattr(mod, "qattn_group_kernel"):
+                    continue
+                qattn._KERNELS, qattn.TARGET_PROGRAMS, qattn.GROUPED = mod, programs, grouped
                 call = lambda: graph_attn.attention_triton(q, main_, *tails, lens, bits, group_size(d), d**-0.5,  # noqa: E731
                                                            inv if rotate else None)
                 out = call().float()
                 first = out if first is None else first
                 wall, gpu = timed(call, args.repeat, dev)
-                rows.append({"kernels": name, "programs": programs, "bits": bits, "rotate": rotate,
+                rows.append({"kernels": name, "grouped": grouped, "programs": programs, "bits": bits, "rotate": rotate,
                              "ms_per_call": round(wall, 4), "gpu_ms_per_call": None if gpu is None else round(gpu, 4),
                              "ms_per_token": round((gpu or wall) * args.layers, 3),
                              "cache_gb_per_s": round(size / (gpu or wall) / 1e6, 1),
                              "max_diff_from_first": float((out - first).abs().max())})
                 print(json.dumps(rows[-1]), flush=True)
-    qattn.TARGET_PROGRAMS = default_programs
+    qattn.TARGET_PROGRAMS, qattn.GROUPED = defaults
     qattn._KERNELS = versions["tree"]
     result = {"rows": rows, "setup": vars(args), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
               "torch": torch.__version__}

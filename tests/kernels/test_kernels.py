@@ -38,12 +38,15 @@ QATTN_CASES = [
     (6, 2, 32, 130, 17, 4, False),  # odd lengths
     (8, 8, 128, 129, 1, 2, True),  # no GQA, Llama-sized heads
     (4, 2, 64, 0, 9, 4, True),  # nothing quantized yet: the tail alone
-    (32, 8, 128, 200, 64, 4, True),  # Llama-3-8B's heads, several splits (7 of 32 units)
+    (32, 8, 128, 200, 64, 4, True),  # Llama-3-8B's heads, several splits
 ]
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["per-kv-head", "per-query-head"])
 @pytest.mark.parametrize("hq,h,d,nq,nt,bits,rotate", QATTN_CASES)
-def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate):
+def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate, grouped, monkeypatch):
+    """Both split kernels (one program per KV head for its query heads, or per query head) equal the twin."""
+    monkeypatch.setattr(qattn, "GROUPED", grouped)
     quant = quantized(h, nq, d, bits, seed=nq)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, hq, 1, d, generator=g).to(DEV)

@@ -108,9 +108,9 @@ for step in $STEPS; do case $step in
        --budget 16384 --kv int8 --out "$OUT/decode-$BIG-bf16-int8"
    run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
        --out "$OUT/decode-$SMALL" ;;
-8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
+8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
    run "$OUT/attn-$SMALL.txt" $PY bench/experiments/gpu_attn.py --units 1167 --q-heads 9 --kv-heads 3 --head-dim 64 \
-       --layers 30 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$SMALL.json" ;;
+       --layers 30 --programs 264,528 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$SMALL.json" ;;
 7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$MODELS_DIR/$BIG" \
        --weights nf4 --kv int8 --budget 16384 --length ${LEN6:-32768} --out "$OUT/prefill-profile-$BIG" ;;
 esac; done
