@@ -2,8 +2,9 @@
 
 For each `--weights`: one engine (LOCRET at `--budget`, `--kv` cache, retaining heads of d_R = `--d-r`, random:
 speed does not depend on their weights) reads `--length` random tokens once; then, each on a copy of that cache,
-`--tokens` greedy tokens are decoded three ways:
+`--tokens` greedy tokens are decoded four ways:
   graph        a decoded token is one CUDA graph replay (engine/graph_step.py; the default on CUDA)
+  graph-unfused  the same without kernels/fused.py's kernels (the norms, RoPE and SiLU product op by op)
   eager step   the same model without transformers' per-call machinery, op by op (engine/decode_step.py)
   forward      transformers' forward at every step
 Per row: decode tokens/s, and the GPU's busy share of a step: the GPU time of a step (kernel time from the
@@ -33,7 +34,8 @@ from localchat.engine.policies import make_policy
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 
-WAYS = ("graph", "eager step", "forward")
+WAYS = ("graph", "graph-unfused", "eager step", "forward")
+TOP = 8  # the kernels named per row: the most GPU time per token
 
 
 def _done(events, notes: list | None = None) -> Done:
@@ -48,8 +50,10 @@ def _done(events, notes: list | None = None) -> Done:
 
 
 def _way(engine: Engine, way: str) -> None:
-    engine.graph_decode = way == "graph"
+    engine.graph_decode = way.startswith("graph")
     engine.lean_decode = way != "forward"
+    GraphStep.FUSED = way != "graph-unfused"
+    engine._graph = None  # a new step for the new way
 
 
 def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
@@ -75,8 +79,11 @@ def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> float | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         done, _ = _decode(engine, cache, at, tokens, seed=1)
         _sync(engine.device)
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / 1000 / max(done.new_tokens, 1)
+    events = prof.key_averages()
+    per_token = 1000 * max(done.new_tokens, 1)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:TOP]
+    _kernel_ms.top = "; ".join(f"{e.key[:60]} {e.self_device_time_total / per_token:.3f} ms x{e.count}" for e in top)
+    return sum(e.self_device_time_total for e in events) / per_token
 
 
 def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
@@ -114,10 +121,10 @@ def measure(args) -> dict:
             done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes)
             took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
-            replay = _replay_ms(engine) if way == "graph" else None
+            replay = _replay_ms(engine) if way.startswith("graph") else None
             kernel = _kernel_ms(engine, cache, at, args.profile_tokens)
             rows.append({
-                "weights": weights, "way": way if way != "graph" or took else f"graph (not taken: {'; '.join(notes) or 'not CUDA'})",
+                "weights": weights, "way": way if not way.startswith("graph") or took else f"{way} (not taken: {'; '.join(notes) or 'not CUDA'})",
                 "decode_tok_s": round(done.decode_tps, 1), "ms_per_token": round(ms_token, 3),
                 "gpu_kernel_ms_per_token": None if kernel is None else round(kernel, 3),
                 "gpu_busy_share": None if kernel is None else round(min(kernel / ms_token, 1.0), 3),
@@ -125,6 +132,7 @@ def measure(args) -> dict:
                 "replay_busy_share": None if replay is None else round(min(replay / ms_token, 1.0), 3),
                 "prefill_tok_s": round(read.prefill_tps, 1), "kv_units_per_head": done.kv_tokens,
                 "peak_gib_after_read": None if peak is None else round(peak, 2),
+                "top_kernels": getattr(_kernel_ms, "top", None) if kernel is not None else None,
             })
             print(json.dumps(rows[-1]), flush=True)
         _way(engine, "graph")
@@ -157,6 +165,8 @@ def markdown(result: dict) -> str:
              f"read once, then {s['tokens']} greedy tokens on a copy of the cache per way.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |" for r in result["rows"]]
+    lines += ["", "Kernels with the most GPU time per token:", ""]
+    lines += [f"- {r['weights']}, {r['way']}: {r['top_kernels']}" for r in result["rows"] if r.get("top_kernels")]
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,7 @@ import torch
 from localchat.engine.cache import KVCache
 from localchat.engine.decode_step import LAYOUTS
 from localchat.engine.qcache import QuantizedKVCache
-from localchat.kernels import graph_attn
+from localchat.kernels import fused, graph_attn
 from localchat.kernels.quant import group_size
 
 TOKEN, SLOT, ROPE, TRUE, TAIL_SLOT, MAIN, TAIL = range(7)  # the fields of `inputs`
@@ -72,6 +72,8 @@ class GraphStep:
     K/V, original position and (with `heads`: LOCRET's retaining heads) its score. `capture`: replay a CUDA graph
     (default: on a CUDA device); `reason` says why it runs eagerly when capture failed."""
 
+    FUSED = True  # the residual adds, norms, RoPE and SiLU product as kernels/fused.py's kernels where they serve
+
     def __init__(self, model, cache: KVCache, heads=None, capture: bool | None = None):
         self.model, self.heads = model, heads
         self._cache = weakref.ref(cache)  # an engine keeps its last step: it must not keep a finished chat's cache
@@ -88,6 +90,7 @@ class GraphStep:
         self.bound = None  # the buffers the graph was captured on
         self.reason: str | None = None
         self.heads_dtype = next(heads.parameters()).dtype if heads is not None else None
+        self.fused = self.FUSED and fused.serves(model)
 
     @property
     def cache(self) -> KVCache | None:
@@ -175,9 +178,13 @@ class GraphStep:
         h = inner.embed_tokens(inputs[TOKEN:TOKEN + 1].view(1, 1))  # [1, 1, hidden]
         cos, sin = inner.rotary_emb(h, inputs[ROPE:ROPE + 1].view(1, 1))
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, 1, d]
+        pending = None  # the last MLP's output, added to h inside the next norm (fused)
         for i, layer in enumerate(self.layers):
             attn, held = layer.self_attn, self.cache.layers[i]
-            x = layer.input_layernorm(h)
+            if self.fused:
+                x, h = fused.add_rms_norm(pending, h, layer.input_layernorm)
+            else:
+                x = layer.input_layernorm(h)
             q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)  # past the hooks
             if self.heads is not None:  # the new unit's score, from its pre-RoPE q/k/v
                 qkv = torch.cat((q[0], k[0], v[0]), dim=-1).to(self.heads_dtype)
@@ -188,7 +195,10 @@ class GraphStep:
             q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [1, H, 1, d]
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if self.fused:
+                q, k = fused.rope_qk(q, k, cos, sin)
+            else:
+                q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
             query = q.reshape(1, self.q_heads, 1, d)
             if self.quantized:
                 held._tk.index_copy_(2, tail_slot, k)
@@ -202,11 +212,15 @@ class GraphStep:
                     held._r.index_fill_(2, slot, 0)
                 out = graph_attn.attention(query, {"k": held._k, "v": held._v}, None, None, lens, 0, d,
                                            self.scaling)
-            h = h + attn.o_proj.forward(out.view(1, 1, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            attended = attn.o_proj.forward(out.view(1, 1, -1))
+            if self.fused:
+                x, h = fused.add_rms_norm(attended, h, layer.post_attention_layernorm)
+                mlp = layer.mlp
+                pending = mlp.down_proj.forward(fused.silu_mul(mlp.gate_proj.forward(x), mlp.up_proj.forward(x)))
+            else:
+                h = h + attended
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if self.fused:
+            x, _ = fused.add_rms_norm(pending, h, inner.norm)
+            return self.model.lm_head(x)[0, -1]
         return self.model.lm_head(inner.norm(h))[0, -1]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin).to(x.dtype)

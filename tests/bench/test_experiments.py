@@ -87,7 +87,8 @@ def test_gpu_decode_runs_every_way_on_a_cpu(tmp_path: Path, monkeypatch) -> None
     script.main(["--model", str(model), "--weights", "fp32", "--kv", "int8", "--budget", "48", "--length", "300",
                  "--tokens", "6", "--profile-tokens", "2", "--out", str(tmp_path / "out")])
     rows = json.loads((tmp_path / "out" / "gpu_decode.json").read_text())["rows"]
-    assert [r["way"] for r in rows] == ["graph (not taken: not CUDA)", "eager step", "forward"]
+    assert [r["way"] for r in rows] == ["graph (not taken: not CUDA)", "graph-unfused (not taken: not CUDA)",
+                                        "eager step", "forward"]
     assert all(r["decode_tok_s"] > 0 and r["kv_units_per_head"] >= 48 for r in rows)
     assert "| fp32 | eager step |" in (tmp_path / "out" / "gpu_decode.md").read_text()
 

@@ -45,7 +45,7 @@ def _steps(arch, tok, kv="none", positions="compact", residual=None, tokens=(5, 
             layer.residual = residual
     assert graph_step.why_not(model, ours, policy.unit_heads()) is None
     step = GraphStep(model, ours, heads=policy.unit_heads())
-    assert not step.capture  # a CPU model: the body runs eagerly
+    assert not step.capture and step.fused  # a CPU model: the body runs eagerly, the fused ops as their twins
     fused = FusedDecode(model, theirs) if kv != "none" else None
     for i, token in enumerate(tokens):
         a = step.step(token, 200 + i)

@@ -23,7 +23,7 @@
 #           decode tok/s and the peak of GPU memory
 #   step 4  the 8B at 24 GB, --policy full: the first length in LENGTHS that fails (one-line refusal or OOM)
 #   step 5  the captured decode step's tests on CUDA (graph replay = eager body; the kernels' tests)
-#   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay vs eager step vs transformers' forward
+#   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay (fused ops and not) vs eager step vs forward
 #           with nf4 weights, then bf16 and int8 weights through the graph (bench/experiments/gpu_decode.py);
 #           the same for SmolLM2-135M (b=1024, bf16 cache)
 #   step 8  decode attention alone at the 8B's and SmolLM2's shapes (bench/experiments/gpu_attn.py; KERNELS: other
@@ -100,7 +100,7 @@ for step in $STEPS; do case $step in
        grep -q "^[1-9]" <(tail -1 "$OUT/summary.txt" 2>/dev/null) && break  # the first failure is the answer
    done ;;
 5) run "$OUT/tests-graph-step.txt" $PY -m pytest -q -p no:cacheprovider -m "not model and not slow" tests/engine/test_graph_step.py \
-       tests/kernels/test_kernels.py ;;
+       tests/kernels/test_kernels.py tests/kernels/test_fused.py ;;
 6) GD="$PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128"
    run "$OUT/decode-$BIG-nf4.txt" $GD --model "$MODELS_DIR/$BIG" --weights nf4 --budget 16384 --kv int8 \
        --out "$OUT/decode-$BIG-nf4"

@@ -1,0 +1,58 @@
+"""The Triton kernels behind fused.py (imported only when Triton runs). Each rounds where the eager ops round
+(to the output's dtype after each op), so a fused step gives what the eager step gives."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n, eps, HAS_R: tl.constexpr, N_PAD: tl.constexpr):
+    """One row: s = x + r (rounded to x's dtype, stored), out = w * (s / rms(s)) in out's dtype."""
+    cols = tl.arange(0, N_PAD)
+    m = cols < n
+    x = tl.load(x_ptr + cols, mask=m, other=0.0)
+    if HAS_R:
+        x = (x.to(tl.float32) + tl.load(r_ptr + cols, mask=m, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rotated(x_ptr, o_ptr, cos, sin, rows, cols, partner, sign, HEADS: tl.constexpr, D: tl.constexpr):
+    m = (rows < HEADS)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + rows[:, None] * D + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    dt = o_ptr.dtype.element_ty
+    a = (x * cos[None, :]).to(dt).to(tl.float32)
+    b = (sign[None, :] * xp * sin[None, :]).to(dt).to(tl.float32)
+    tl.store(o_ptr + rows[:, None] * D + cols[None, :], (a + b).to(dt), mask=m)
+
+
+@triton.jit
+def rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ: tl.constexpr, H: tl.constexpr,
+                   HQ_PAD: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """One token's query `[HQ, D]` and key `[H, D]` heads rotated: x·cos + rotate_half(x)·sin."""
+    cols = tl.arange(0, D_PAD)
+    half = D // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    sign = tl.where(cols < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    _rotated(q_ptr, qo_ptr, cos, sin, tl.arange(0, HQ_PAD), cols, partner, sign, HQ, D)
+    _rotated(k_ptr, ko_ptr, cos, sin, tl.arange(0, H_PAD), cols, partner, sign, H, D)
+
+
+@triton.jit
+def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """silu(g) * u, rounded after the silu as the eager pair of ops rounds."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n
+    g = tl.load(g_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    u = tl.load(u_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + idx, (a * u).to(dt), mask=m)

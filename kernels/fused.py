@@ -1,0 +1,88 @@
+"""Fused element-wise ops of a captured decode step (engine/graph_step.py): in a CUDA graph each op is a kernel
+of a few microseconds, so a layer's ~45 small kernels cost more than a small model's weights. Three fusions:
+
+| op | replaces |
+|---|---|
+| `add_rms_norm(x, residual, norm)` | the residual add and RMSNorm's 6 ops (Llama, Qwen2, Qwen3 norms) |
+| `rope_qk(q, k, cos, sin)` | the query's and key's rotation, 5 ops each |
+| `silu_mul(gate, up)` | the MLP's act and product |
+
+Triton where `use_triton`, else the eager ops themselves (the twin). `serves(model)` says whether the model's
+layers are the ones these replace.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localchat.kernels import use_triton
+
+_K = None
+
+
+def _kernels():
+    global _K
+    if _K is None:
+        from localchat.kernels import _fused_triton
+
+        _K = _fused_triton
+    return _K
+
+
+def _pad(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def serves(model) -> bool:
+    """True when every layer has RMSNorms of (weight, variance_epsilon) and a SiLU-gated MLP."""
+    cfg = model.config
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    norms = [model.model.norm]
+    for layer in model.model.layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if not all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+            return False
+    return all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") and n.weight.dim() == 1
+               and not getattr(n, "with_scale", False) for n in norms)
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x) for one row `[1, 1, n]`; `x` None: (norm(residual), residual)."""
+    if not use_triton(residual):
+        h = residual if x is None else residual + x
+        return norm(h), h
+    out = torch.empty(residual.shape, dtype=torch.promote_types(norm.weight.dtype, residual.dtype),
+                      device=residual.device)
+    total = residual if x is None else torch.empty_like(residual)
+    n = residual.shape[-1]
+    _kernels().add_rms_norm_kernel[(1,)](
+        residual if x is None else x.contiguous(), residual, norm.weight, out, total, n,
+        float(norm.variance_epsilon), HAS_R=x is not None, N_PAD=_pad(n), num_warps=8)
+    return out, total
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q `[1, Hq, 1, d]`, k `[1, H, 1, d]` rotated by cos/sin `[1, 1, 1, d]` (one position)."""
+    if not use_triton(q) or cos.dtype != q.dtype:
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+    hq, h, d = q.shape[1], k.shape[1], q.shape[-1]
+    qo, ko = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
+    _kernels().rope_qk_kernel[(1,)](q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous(), qo, ko,
+                                    HQ=hq, H=h, HQ_PAD=_pad(hq), H_PAD=_pad(h), D=d, D_PAD=_pad(d))
+    return qo, ko
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not use_triton(gate):
+        return torch.nn.functional.silu(gate) * up
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    n, block = gate.numel(), 1024
+    _kernels().silu_mul_kernel[(-(-n // block),)](gate.contiguous(), up.contiguous(), out, n, BLOCK=block)
+    return out
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin, as transformers' apply_rotary_pos_emb."""
+    half = x.shape[-1] // 2
+    return (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin).to(x.dtype)

@@ -1,0 +1,79 @@
+"""kernels/fused.py: the captured decode step's fused ops (Triton, interpreted on the CPU) give what the eager ops
+give, rounding where they round; `serves` names the models whose layers they replace. On CUDA (tools/gpu's step 5)
+the kernels run natively and a bf16 sum is checked bit for bit; the interpreter truncates bf16 instead of rounding,
+so here it is checked to one unit in the last place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+import localchat.kernels as kernels
+from localchat.kernels import fused
+from tiny import tiny_architecture
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("LOCALCHAT_KERNELS", "triton")
+    kernels.reset_backend()
+    assert kernels.backend() == "triton"
+    yield
+    monkeypatch.delenv("LOCALCHAT_KERNELS")
+    kernels.reset_backend()
+
+
+def _tol(dtype):
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # 2 bf16 units
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm_equals_the_add_and_the_norm(dtype, with_x, triton_backend):
+    g = torch.Generator().manual_seed(0)
+    n = 96  # not a power of two
+    norm = LlamaRMSNorm(n, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(n, generator=g).to(dtype)
+    norm = norm.to(DEV)
+    residual = (torch.randn(1, 1, n, generator=g) * 3).to(dtype).to(DEV)
+    x = torch.randn(1, 1, n, generator=g).to(dtype).to(DEV) if with_x else None
+    got, total = fused.add_rms_norm(x, residual, norm)
+    want_total = residual + x if with_x else residual
+    if dtype == torch.float32 or DEV == "cuda":
+        assert torch.equal(total, want_total)  # the sum rounds as torch's add rounds
+    else:
+        torch.testing.assert_close(total, want_total, atol=0, rtol=2**-7)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, norm(want_total), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,h,d", [(6, 2, 64), (4, 4, 32)])
+def test_rope_qk_equals_transformers_rotation(hq, h, d, dtype, triton_backend):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 1, hq * d, generator=g).to(dtype).to(DEV)
+    q = hidden.view(1, 1, hq, d).transpose(1, 2)  # the step's view of a projection
+    k = torch.randn(1, 1, h * d, generator=g).to(dtype).to(DEV).view(1, 1, h, d).transpose(1, 2)
+    angle = 1234.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat((angle, angle))
+    cos, sin = (t.to(dtype).to(DEV)[None, None, None] for t in (emb.cos(), emb.sin()))
+    got_q, got_k = fused.rope_qk(q, k, cos, sin)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+    assert got_q.shape == q.shape and got_k.shape == k.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_the_act_and_the_product(dtype, triton_backend):
+    g = torch.Generator().manual_seed(2)
+    gate, up = (torch.randn(1, 1, 1500, generator=g).mul(4).to(dtype).to(DEV) for _ in range(2))  # two blocks and a part
+    torch.testing.assert_close(fused.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, **_tol(dtype))
+
+
+def test_serves_the_llama_layouts_and_not_phi3s_fused_mlp():
+    assert all(fused.serves(tiny_architecture(name, 300)) for name in ("llama", "qwen2", "qwen3"))
+    assert not fused.serves(tiny_architecture("phi3", 300))  # gate_up_proj in one
