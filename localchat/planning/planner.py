@@ -8,7 +8,9 @@ most); the cheapest combination that fits wins, the higher weights precision on 
 quality does not: weights whose answers were measured to match full precision for the model (its card's
 [precision]) rank with full precision, the fastest first (DECODE_SPEED, or a tuned profile's measurement).
 When none keeps the target, the one with the largest budget (for a policy that keeps the whole prompt, the
-one that holds the longest document). A 2-bit cache only when nothing else fits at all.
+one that holds the longest document). Quantized weights measured to decode at under half of full precision's
+speed (SLOW: bitsandbytes' LLM.int8() on CUDA) rank after every other choice. A 2-bit cache only when nothing
+else fits at all.
 
 `make_plan` is arithmetic only (no weights are loaded); `verify` runs one chunk on a full cache with the
 loaded engine, reads the real peak, and shrinks the chunk (then the budget) while it does not fit.
@@ -39,7 +41,12 @@ FOUR_BIT = ("int4", "nf4")
 # bench/results/cpu-decode/decode.md, AVX2 bench/results/cpu-defaults-avx2/decode-quiet/decode.md. Other CPUs
 # (ARM, older x86) are not measured: full precision.
 DECODE_SPEED = {"AVX512": {"fp32": 1.0, "int8": 3.47, "int4": 4.08},
-                "AVX2": {"fp32": 1.0, "int8": 2.44, "int4": 3.23}}
+                "AVX2": {"fp32": 1.0, "int8": 2.44, "int4": 3.23},
+                # CUDA, relative to bf16: Llama-3.1-8B's shape (random weights) on an H200 after a 32K read, b=16,384,
+                # int8 cache (bench/results/gpu-8b-h200): bitsandbytes' LLM.int8() layers decode at a fifth of the
+                # speed of nf4 or bf16 (6.1 against 28.4 and 28.5 tokens/s)
+                "cuda": {"bf16": 1.0, "nf4": 1.0, "int8": 0.21}}
+SLOW = 0.5  # quantized weights under this share of full precision's decode speed rank after every other choice
 
 
 def cpu_class() -> str:
@@ -50,8 +57,8 @@ def cpu_class() -> str:
 
 
 def decode_speed(kind: str) -> dict[str, float]:
-    """DECODE_SPEED for this machine's CPU (empty on a GPU, or a CPU not measured)."""
-    return dict(DECODE_SPEED.get(cpu_class(), {})) if kind == "cpu" else {}
+    """DECODE_SPEED for this machine: its CPU's vector unit, or CUDA (empty for a CPU not measured)."""
+    return dict(DECODE_SPEED.get(cpu_class() if kind == "cpu" else kind, {}))
 
 
 @dataclass
@@ -248,10 +255,21 @@ def precision_choices(req: Request) -> list[tuple[str, str]]:
     def key(pair: tuple[str, str]) -> tuple:
         w, k = pair
         if _speed_first(req, w):
-            return 0, KV_COST.get(k, 0), -req.speed.get(w, 0.0), rank[w]
-        return 1 if req.held and req.speed else 0, WEIGHT_COST.get(w, 0) + KV_COST.get(k, 0), rank[w]
+            return _slow(req, w) is not None, 0, KV_COST.get(k, 0), -req.speed.get(w, 0.0), rank[w]
+        return (_slow(req, w) is not None, 1 if req.held and req.speed else 0,
+                WEIGHT_COST.get(w, 0) + KV_COST.get(k, 0), rank[w])
 
     return sorted(pairs, key=key)
+
+
+def _slow(req: Request, weights: str) -> tuple[float, str] | None:
+    """(speed share, the full precision it is measured against) where quantized `weights` decode at under SLOW of
+    full precision's speed (LLM.int8 on CUDA): they cost quality and speed, so they rank last; else None."""
+    base = next((f for f in (req.act, *FLOATS) if f in req.speed), None)
+    if weights in FLOATS or base is None or weights not in req.speed or req.speed[base] <= 0:
+        return None
+    share = req.speed[weights] / req.speed[base]
+    return (share, base) if share < SLOW else None
 
 
 def _speed_first(req: Request, weights: str) -> bool:
@@ -292,8 +310,8 @@ def _make_plan(shape: Shape, memory: int, req: Request, kind: str, memory_source
     if not plans:
         plans = _plans(shape, memory, req, [p for p in pairs if p not in main], memory_source)
         main = pairs
-    if not plans:
-        w, k = pairs[-1]
+    if not plans:  # name the smallest choice: what was tried last in memory, whatever the ranking
+        w, k = min(pairs, key=lambda p: _estimate(shape, req.at(*p), 1, min(_chunk_order(req)), _margin(req)).total)
         if req.budget is not None:  # the budget asked for is what does not fit: the smallest precision says why
             _plan_at(shape, memory, req.at(w, k), memory_source=memory_source)
         e = _estimate(shape, req.at(w, k), 1, min(_chunk_order(req)), _margin(req))
@@ -301,10 +319,23 @@ def _make_plan(shape: Shape, memory: int, req: Request, kind: str, memory_source
                         f"alone take {e.weights / GIB:.1f} GiB (+ margin {e.margin / GIB:.1f} GiB); try a smaller model")
     plan = plans[-1]
     if not _keeps_target(plan):  # none keeps the target: the largest budget, or the longest document held
-        plan = max(plans, key=lambda p: (p.max_document() or 0) if req.holds_prompt else p.budget)
+        plan = max(plans, key=_reach)
     plan.chosen = chosen
     plan.precision = _why(shape, plan, main, memory)
+    if "weights" in chosen:
+        for w in dict.fromkeys(p[0] for p in pairs):
+            slow = _slow(req, w)
+            if slow and w != plan.weights and WEIGHT_COST.get(w, 0) < WEIGHT_COST.get(plan.weights, 0) and any(
+                    _keeps_target(p) or _reach(p) >= _reach(plan)
+                    for p in _plans(shape, memory, req, [q for q in pairs if q[0] == w], "")):
+                plan.precision.append(f"{w} weights would fit with higher quality, but decode at {slow[0]:.2f}x "
+                                      f"{slow[1]}'s speed on this device: they rank last (--weights {w} to use them)")
     return plan
+
+
+def _reach(plan: Plan) -> int:
+    """What a plan is chosen for: the budget, or for a policy that keeps the whole prompt the document it holds."""
+    return (plan.max_document() or 0) if plan.request.holds_prompt else plan.budget
 
 
 def _plans(shape: Shape, memory: int, req: Request, pairs: list[tuple[str, str]], memory_source: str) -> list[Plan]:

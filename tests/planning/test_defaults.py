@@ -37,6 +37,27 @@ def test_try_4_bit_weights_is_said_only_where_they_were_not_tried(capsys):
     assert "try 4-bit weights (--weights nf4)" in capsys.readouterr().err
 
 
+def test_on_cuda_slow_int8_weights_rank_last_and_the_plan_says_why(capsys):
+    """LLM.int8() decodes at a fifth of nf4's speed on CUDA (planner.DECODE_SPEED["cuda"]): at 12 GB, where int8
+    weights used to be chosen for their quality, nf4 keeps the same budget and is chosen, with a line saying why;
+    `--weights int8` still gets them. Without speeds (a bare request), quality alone still picks int8."""
+    config = str(CONFIGS / "llama-3.1-8b-instruct.json")
+    twelve = ["plan", "--device", "cuda", "--memory-gb", "12"]
+    assert main(["--model", config, "--heads", "random", *twelve, "--json"]) == 0  # LOCRET
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["spec"]["weights"] == "nf4" and printed["budget"] == 16384
+    assert any("int8 weights would fit" in line and "0.21x bf16" in line for line in printed["precision_why"])
+    assert main(["--model", config, "--heads", "random", "--weights", "int8", *twelve, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["weights"] == "int8"
+    shape = model_facts(config)[0]
+    ask = dict(weights=None, kv=None, kind="cuda", target=16384, local=96, max_new=512, d_r=1024)
+    assert make_plan(shape, 12 * m.GIB, Request(**ask), kind="cuda").weights == "int8"
+    speed = {"bf16": 1.0, "nf4": 1.0, "int8": 0.21}
+    assert make_plan(shape, 12 * m.GIB, Request(**ask, speed=speed), kind="cuda").weights == "nf4"
+    near = {**speed, "int8": 0.6}  # not slow enough to give up its quality
+    assert make_plan(shape, 12 * m.GIB, Request(**ask, speed=near), kind="cuda").weights == "int8"
+
+
 def test_on_a_cpu_the_fastest_weights_measured_to_hold_win_and_the_plan_says_why():
     shape, _ = model_facts(None)
     ask = dict(weights=None, kv=None, kind="cpu", target=1024, local=96, max_new=512, act="fp32")
