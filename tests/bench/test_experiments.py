@@ -122,9 +122,9 @@ def test_gpu_attn_times_every_cache_and_kernel_version(tmp_path: Path, monkeypat
     kernel_file = Path(qattn.__file__).with_name("_qattn_triton.py")
     script.main(["--units", "40", "--tail", "3", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
                  "--layers", "2", "--repeat", "1", "--kernels", str(kernel_file), "--programs", "4,64",
-                 "--out", str(tmp_path / "attn.json")])
+                 "--grouped", "1", "--out", str(tmp_path / "attn.json")])
     rows = json.loads((tmp_path / "attn.json").read_text())["rows"]
-    assert len(rows) == 4 * 2 * 2 * 2 and {r["programs"] for r in rows} == {4, 64}
-    assert {r["grouped"] for r in rows} == {True, False}
+    assert len(rows) == 4 * 2 * 2 and {r["programs"] for r in rows} == {4, 64}
+    assert {r["grouped"] for r in rows} == {True} and {r["kernels"] for r in rows} == {"tree", str(kernel_file)}
     assert all(r["max_diff_from_first"] < 1e-2 and r["ms_per_call"] > 0 for r in rows)
     assert qattn.TARGET_PROGRAMS == 264 and qattn.GROUPED and qattn._KERNELS.__name__.endswith("_qattn_triton")

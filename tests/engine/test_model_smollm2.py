@@ -47,6 +47,7 @@ def test_ask_finds_the_pass_key_in_a_6k_document(smollm2, tmp_path, capsys):
     assert score_passkey(sample, out), out
 
 
+@pytest.mark.slow  # 90 s: a 20K-token read of the real model; the tiny models cover compact mode in the default run
 def test_a_20k_document_past_the_window_reads_in_compact_mode_within_budget(smollm2, tmp_path, capsys):
     sample = passkey(smollm2.tokenizer, 20000, seed=11, depth=0.9)
     assert sample.n_tokens > 2 * smollm2.window
