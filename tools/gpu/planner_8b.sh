@@ -24,11 +24,11 @@
 #   step 4  the 8B at 24 GB, --policy full: the first length in LENGTHS that fails (one-line refusal or OOM)
 #   step 5  the captured decode step's tests on CUDA (graph replay = eager body; the kernels' tests)
 #   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay (fused ops and not) vs eager step vs forward
-#           with nf4 weights, then bf16 and int8 weights through the graph (bench/experiments/gpu_decode.py);
-#           the same for SmolLM2-135M (b=1024, bf16 cache)
+#           with nf4 weights (bench/experiments/gpu_decode.py); the same for SmolLM2-135M (b=1024, bf16 cache)
+#   step 9  the same through the graph with bf16 and int8 (LLM.int8) weights (the planner's speed table)
 #   step 8  decode attention alone at the 8B's and SmolLM2's shapes (bench/experiments/gpu_attn.py; KERNELS: other
 #           versions of kernels/_qattn_triton.py to time beside the tree's, files in the tree)
-#   step 7  where a 32K LOCRET prefill's GPU time goes, 8B nf4 at b=16,384 (bench/experiments/gpu_prefill_profile.py)
+#   step 7  where a 16K (LEN7) LOCRET prefill's GPU time goes, 8B nf4 at b=16,384 (bench/experiments/gpu_prefill_profile.py)
 
 set -o pipefail
 OUT=${1:?usage: tools/gpu/planner_8b.sh OUT_DIR}
@@ -37,7 +37,7 @@ cd "$(dirname "$0")/../.." || exit 1
 PY=${PY:-python3}
 . tools/gpu/env.sh
 DRY=${DRY:-0}
-STEPS=${STEPS:-"0 8 1 3 6 7 5 2 4"}
+STEPS=${STEPS:-"0 8 1 6 3 7 5 9 2 4"}
 MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
 CAPS=${CAPS:-"24 12 8"}
 LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
@@ -104,14 +104,14 @@ for step in $STEPS; do case $step in
 6) GD="$PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128"
    run "$OUT/decode-$BIG-nf4.txt" $GD --model "$MODELS_DIR/$BIG" --weights nf4 --budget 16384 --kv int8 \
        --out "$OUT/decode-$BIG-nf4"
-   run "$OUT/decode-$BIG-bf16-int8.txt" $GD --model "$MODELS_DIR/$BIG" --weights bf16,int8 --ways graph \
-       --budget 16384 --kv int8 --out "$OUT/decode-$BIG-bf16-int8"
    run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
        --out "$OUT/decode-$SMALL" ;;
 8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
    run "$OUT/attn-$SMALL.txt" $PY bench/experiments/gpu_attn.py --units 1167 --q-heads 9 --kv-heads 3 --head-dim 64 \
        --layers 30 --programs 264,528 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$SMALL.json" ;;
+9) run "$OUT/decode-$BIG-bf16-int8.txt" $PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128 \
+       --model "$MODELS_DIR/$BIG" --weights bf16,int8 --ways graph --budget 16384 --kv int8 --out "$OUT/decode-$BIG-bf16-int8" ;;
 7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$MODELS_DIR/$BIG" \
-       --weights nf4 --kv int8 --budget 16384 --length ${LEN6:-32768} --out "$OUT/prefill-profile-$BIG" ;;
+       --weights nf4 --kv int8 --budget 16384 --length ${LEN7:-16384} --out "$OUT/prefill-profile-$BIG" ;;
 esac; done
 echo "done: $OUT (summary.txt: exit code, seconds, command)"
