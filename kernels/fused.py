@@ -34,14 +34,17 @@ def _pad(n: int) -> int:
 
 
 def serves(model) -> bool:
-    """True when every layer has RMSNorms of (weight, variance_epsilon) and a SiLU-gated MLP."""
+    """True when every layer has RMSNorms of (weight, variance_epsilon) and a SiLU-gated MLP (gate and up apart,
+    or in one projection as Phi-3's)."""
     cfg = model.config
     if getattr(cfg, "hidden_act", None) != "silu":
         return False
     norms = [model.model.norm]
     for layer in model.model.layers:
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        if not all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+        mlp = layer.mlp
+        if not hasattr(mlp, "down_proj") or not (hasattr(mlp, "gate_up_proj") or
+                                                 (hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"))):
             return False
     return all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") and n.weight.dim() == 1
                and not getattr(n, "with_scale", False) for n in norms)

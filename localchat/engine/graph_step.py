@@ -14,7 +14,8 @@ the chat's bookkeeping stay outside, between replays.
 A graph is bound to the buffers it read at capture: when the cache grows (a reallocation), keeps key remainders
 for the first time, or another cache comes, the step captures again. On a CPU (the tests) or when capture fails
 the same body runs eagerly. `why_not(model, cache, heads)` says what keeps a model from this step (the engine
-says it once and decodes eagerly).
+says it once and decodes eagerly). Layers served: Llama's (Mistral), Qwen2's, Qwen3's, and Phi-3's (q/k/v and
+gate/up in one projection each).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from localchat.kernels import fused, graph_attn
 from localchat.kernels.quant import group_size
 
 TOKEN, SLOT, ROPE, TRUE, TAIL_SLOT, MAIN, TAIL = range(7)  # the fields of `inputs`
+GRAPH_LAYOUTS = (*LAYOUTS, "Phi3ForCausalLM")  # Phi-3: q/k/v in one projection, gate and up in one
 
 
 def _watched(model, heads) -> str | None:
     """The name of a module something watches (a policy's hook), but q/k/v projections whose scorer `heads`
     stand in for inside the step."""
-    qkv = ("q_proj", "k_proj", "v_proj")
+    qkv = ("q_proj", "k_proj", "v_proj", "qkv_proj")
     for name, module in model.named_modules():
         if module._forward_hooks or module._forward_pre_hooks:
             if heads is not None and name.rsplit(".", 1)[-1] in qkv:
@@ -48,8 +50,10 @@ def why_not(model, cache, heads=None) -> str | None:
     """None when `GraphStep` computes what transformers' forward would for this model and cache; else why not,
     in a few words."""
     config = model.config
-    if type(model).__name__ not in LAYOUTS:
+    if type(model).__name__ not in GRAPH_LAYOUTS:
         return f"{type(model).__name__} layers are not Llama's"
+    if getattr(config, "partial_rotary_factor", None) not in (None, 1.0):
+        return "RoPE on part of each head"
     if type(cache) not in (KVCache, QuantizedKVCache) or cache.extension is not None:
         return "the policy keeps part of the cache elsewhere"
     if config._attn_implementation != "sdpa":
@@ -84,6 +88,7 @@ class GraphStep:
         attn = self.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.q_heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.qkv_sizes = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.inputs = torch.zeros(7, dtype=torch.long, device=device)
         self.capture = device.type == "cuda" if capture is None else capture
         self.graph = self.out = None
@@ -185,7 +190,10 @@ class GraphStep:
                 x, h = fused.add_rms_norm(pending, h, layer.input_layernorm)
             else:
                 x = layer.input_layernorm(h)
-            q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)  # past the hooks
+            if hasattr(attn, "qkv_proj"):  # Phi-3 (called past its hook, as the others)
+                q, k, v = attn.qkv_proj.forward(x).split(self.qkv_sizes, dim=-1)
+            else:
+                q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
             if self.heads is not None:  # the new unit's score, from its pre-RoPE q/k/v
                 qkv = torch.cat((q[0], k[0], v[0]), dim=-1).to(self.heads_dtype)
                 held._s.index_copy_(1, slot, self.heads.layers[i](qkv).T.float())
@@ -216,7 +224,11 @@ class GraphStep:
             if self.fused:
                 x, h = fused.add_rms_norm(attended, h, layer.post_attention_layernorm)
                 mlp = layer.mlp
-                pending = mlp.down_proj.forward(fused.silu_mul(mlp.gate_proj.forward(x), mlp.up_proj.forward(x)))
+                if hasattr(mlp, "gate_up_proj"):  # Phi-3
+                    gate, up = mlp.gate_up_proj.forward(x).chunk(2, dim=-1)
+                else:
+                    gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+                pending = mlp.down_proj.forward(fused.silu_mul(gate, up))
             else:
                 h = h + attended
                 h = h + layer.mlp(layer.post_attention_layernorm(h))

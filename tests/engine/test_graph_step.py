@@ -20,6 +20,7 @@ from localchat.engine.sampling import GenerationSettings
 from tiny import read_attached, tiny_architecture, tiny_tokenizer
 
 LEAN = ["llama", "qwen2", "qwen3"]  # Llama's layout, q/k/v biases, per-head q/k norms (Mistral's is Llama's)
+GRAPH = [*LEAN, "phi3"]  # and Phi-3's q/k/v and gate/up projections in one each
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def _steps(arch, tok, kv="none", positions="compact", residual=None, tokens=(5, 
     return ours, theirs
 
 
-@pytest.mark.parametrize("arch", LEAN)
+@pytest.mark.parametrize("arch", GRAPH)
 def test_a_step_gives_transformers_logits_and_cache(arch, tok):
     """Steps after a LOCRET read at compact positions (RoPE at slots, not true positions): logits, keys, values,
     positions and the retaining heads' scores of the new units as transformers' forward leaves them."""
@@ -122,8 +123,14 @@ def test_what_keeps_a_model_from_the_step(tok):
     assert graph_step.why_not(model, cache.empty(), None) == "an empty cache"
     cache.layers[1].n -= 1
     assert graph_step.why_not(model, cache, None) == "layers hold different counts of units"
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, head_dim=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    assert "not Llama's" in graph_step.why_not(gemma, cache, None)
     phi = tiny_architecture("phi3", len(tok))
-    assert "not Llama's" in graph_step.why_not(phi, cache, None)
+    phi.config.partial_rotary_factor = 0.5
+    assert graph_step.why_not(phi, cache, None) == "RoPE on part of each head"
 
 
 class _Cuda:  # an engine that takes its CPU model for a CUDA one, so the captured path runs (eagerly) here

@@ -74,6 +74,10 @@ def test_silu_mul_equals_the_act_and_the_product(dtype, triton_backend):
     torch.testing.assert_close(fused.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, **_tol(dtype))
 
 
-def test_serves_the_llama_layouts_and_not_phi3s_fused_mlp():
-    assert all(fused.serves(tiny_architecture(name, 300)) for name in ("llama", "qwen2", "qwen3"))
-    assert not fused.serves(tiny_architecture("phi3", 300))  # gate_up_proj in one
+def test_serves_llama_qwen_and_phi3_layers_and_not_gemmas():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    assert all(fused.serves(tiny_architecture(name, 300)) for name in ("llama", "qwen2", "qwen3", "phi3"))
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, head_dim=16,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    assert not fused.serves(gemma)  # GELU, and norms of (1 + weight)

@@ -102,8 +102,10 @@ for step in $STEPS; do case $step in
 5) run "$OUT/tests-graph-step.txt" $PY -m pytest -q -p no:cacheprovider -m "not model and not slow" tests/engine/test_graph_step.py \
        tests/kernels/test_kernels.py tests/kernels/test_fused.py ;;
 6) GD="$PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128"
-   run "$OUT/decode-$BIG-nf4.txt" $GD --model "$MODELS_DIR/$BIG" --weights nf4 --budget 16384 --kv int8 \
-       --out "$OUT/decode-$BIG-nf4"
+   for m in $MODELS; do  # the 8B, and Phi-3-mini when MODELS names it
+       run "$OUT/decode-$m-nf4.txt" $GD --model "$MODELS_DIR/$m" --weights nf4 --budget 16384 --kv int8 \
+           --out "$OUT/decode-$m-nf4"
+   done
    run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
        --out "$OUT/decode-$SMALL" ;;
 8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
