@@ -17,7 +17,7 @@ from localchat.config import RunSpec
 from localchat.errors import UserError
 from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, detect, quantized
-from localchat.planning.planner import Plan, make_plan, verify
+from localchat.planning.planner import Plan, decode_choices, make_plan, verify
 from localchat.planning.resolve import (Target, fixed_fields, model_facts, plan_request, plan_spec, settled_params,
                                        shipped_heads_dir)
 
@@ -299,8 +299,8 @@ def run_tune(args) -> int:
     spec, before, _ = plan_for(args)
     decode = {}
     held = spec.card.held_weights(before.kind) if spec.card is not None else ()
-    if held and "weights" not in fixed_fields(spec):  # speed decides among weights that answer alike
-        decode = measure_decode(spec, (before.request.act if before.kind == "cuda" else "fp32", *held))
+    if (held or before.kind == "cuda") and "weights" not in fixed_fields(spec):  # speed decides (planner's rules)
+        decode = measure_decode(spec, decode_choices(before, held))
         target = Target(before.memory, before.memory_source, before.kind)
         spec = plan_spec(replace(spec, plan=None), before.shape, spec.card, target, fixed=fixed_fields(spec),
                          measured={f"decode_tps_{w}": v for w, v in decode.items()})

@@ -61,6 +61,23 @@ def decode_speed(kind: str) -> dict[str, float]:
     return dict(DECODE_SPEED.get(cpu_class() if kind == "cpu" else kind, {}))
 
 
+def decode_choices(plan: "Plan", held: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The weights whose decode speed `profile tune` measures when the plan chooses the weights: full precision
+    and the weights measured to answer as it does (`held`); on CUDA every choice that fits the memory (LLM.int8's
+    slowness is the machine's to measure), none that does not."""
+    full = plan.request.act if plan.kind == "cuda" else "fp32"
+    if plan.kind != "cuda":
+        return (full, *held)
+    out = []
+    for w in dict.fromkeys((full, *WEIGHT_CHOICES["cuda"], *held)):
+        try:
+            make_plan(plan.shape, plan.memory, replace(plan.request, weights=w), kind=plan.kind)
+        except UserError:
+            continue
+        out.append(w)
+    return tuple(out)
+
+
 @dataclass
 class Request:
     """What the planner is asked: fixed values (None = the planner chooses) and the dtypes."""

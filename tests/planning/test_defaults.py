@@ -58,6 +58,23 @@ def test_on_cuda_slow_int8_weights_rank_last_and_the_plan_says_why(capsys):
     assert make_plan(shape, 12 * m.GIB, Request(**ask, speed=near), kind="cuda").weights == "int8"
 
 
+def test_profile_tune_measures_every_cuda_weights_that_fit():
+    """What `profile tune` decodes with before the plan weighs speed: on CUDA each choice that fits the memory
+    (bf16 only where it fits; LLM.int8 always measured, its slowness being the machine's), on a CPU full precision
+    and the card's held weights."""
+    from localchat.planning.planner import decode_choices
+
+    shape = model_facts(str(CONFIGS / "llama-3.1-8b-instruct.json"))[0]
+    ask = dict(weights=None, kv=None, target=16384, local=96, max_new=512, d_r=1024)
+    roomy = make_plan(shape, 24 * m.GIB, Request(**ask), kind="cuda")
+    assert decode_choices(roomy) == ("bf16", "int8", "nf4")
+    twelve = make_plan(shape, 12 * m.GIB, Request(**ask), kind="cuda")
+    assert decode_choices(twelve) == ("int8", "nf4")  # 8B bf16 weights alone are 15 GiB
+    assert decode_choices(make_plan(shape, 8 * m.GIB, Request(**ask), kind="cuda")) == ("nf4",)
+    cpu = make_plan(shape, 64 * m.GIB, Request(**ask, act="fp32"), kind="cpu")
+    assert decode_choices(cpu, ("int4",)) == ("fp32", "int4") and decode_choices(cpu) == ("fp32",)
+
+
 def test_on_a_cpu_the_fastest_weights_measured_to_hold_win_and_the_plan_says_why():
     shape, _ = model_facts(None)
     ask = dict(weights=None, kv=None, kind="cpu", target=1024, local=96, max_new=512, act="fp32")
