@@ -56,3 +56,23 @@ def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     u = tl.load(u_ptr + idx, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + idx, (a * u).to(dt), mask=m)
+
+
+@triton.jit
+def write_unit_kernel(kv_slot_ptr, slot_ptr, true_ptr, k_ptr, v_ptr, score_ptr, kd_ptr, vd_ptr, sd_ptr, pd_ptr, rd_ptr,
+                      k_h, v_h, kd_h, kd_u, vd_h, vd_u, sd_h, pd_h, rd_h, rd_u,
+                      D: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_REST: tl.constexpr):
+    """One KV head's new unit: K and V at the K/V slot, its score (0 without one) and true position at the unit
+    slot, and its key remainder zeroed (keys come in exact)."""
+    h = tl.program_id(0)
+    cols = tl.arange(0, D_PAD)
+    m = cols < D
+    kv_slot = tl.load(kv_slot_ptr)
+    slot = tl.load(slot_ptr)
+    tl.store(kd_ptr + h * kd_h + kv_slot * kd_u + cols, tl.load(k_ptr + h * k_h + cols, mask=m), mask=m)
+    tl.store(vd_ptr + h * vd_h + kv_slot * vd_u + cols, tl.load(v_ptr + h * v_h + cols, mask=m), mask=m)
+    score = tl.load(score_ptr + h).to(tl.float32) if HAS_SCORE else 0.0
+    tl.store(sd_ptr + h * sd_h + slot, score)
+    tl.store(pd_ptr + h * pd_h + slot, tl.load(true_ptr))
+    if HAS_REST:
+        tl.store(rd_ptr + h * rd_h + slot * rd_u + cols, tl.zeros([D_PAD], tl.int8), mask=m)

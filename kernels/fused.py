@@ -1,11 +1,12 @@
 """Fused element-wise ops of a captured decode step (engine/graph_step.py): in a CUDA graph each op is a kernel
-of a few microseconds, so a layer's ~45 small kernels cost more than a small model's weights. Three fusions:
+of a few microseconds, so a layer's ~45 small kernels cost more than a small model's weights. Four fusions:
 
 | op | replaces |
 |---|---|
 | `add_rms_norm(x, residual, norm)` | the residual add and RMSNorm's 6 ops (Llama, Qwen2, Qwen3 norms) |
 | `rope_qk(q, k, cos, sin)` | the query's and key's rotation, 5 ops each |
 | `silu_mul(gate, up)` | the MLP's act and product |
+| `write_unit(...)` | the new unit's K, V, score, true position and key remainder: 4-5 index writes |
 
 Triton where `use_triton`, else the eager ops themselves (the twin). `serves(model)` says whether the model's
 layers are the ones these replace.
@@ -65,9 +66,10 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, norm) -> tuple[
     return out, total
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q `[1, Hq, 1, d]`, k `[1, H, 1, d]` rotated by cos/sin `[1, 1, 1, d]` (one position)."""
-    if not use_triton(q) or cos.dtype != q.dtype:
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool = True):
+    """q `[1, Hq, 1, d]`, k `[1, H, 1, d]` rotated by cos/sin `[1, 1, 1, d]` (one position). `kernel` False: the
+    twin's ops (an A/B)."""
+    if not (kernel and use_triton(q)) or cos.dtype != q.dtype:
         return rotate(q, cos, sin), rotate(k, cos, sin)
     hq, h, d = q.shape[1], k.shape[1], q.shape[-1]
     qo, ko = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -83,6 +85,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n, block = gate.numel(), 1024
     _kernels().silu_mul_kernel[(-(-n // block),)](gate.contiguous(), up.contiguous(), out, n, BLOCK=block)
     return out
+
+
+def write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, score, kernel: bool = True) -> None:
+    """Write one token's unit into a cache layer's buffers: `k`, `v` `[1, H, 1, d]` at `kv_slot` of `dst_k`, `dst_v`
+    `[1, H, C, d]`; `score` `[1, H]` (None: 0) and `true` `[1]` (its position) at `slot` of `dst_s`, `dst_p`
+    `[H, C]`; `dst_r` (key remainders `[1, H, C, d]` int8, or None) zeroed at `slot`. Slots are `[1]` device
+    tensors (a captured step's inputs). `kernel` False: the twin's index writes (an A/B)."""
+    h, d = k.shape[1], k.shape[-1]
+    if not (kernel and use_triton(k)):
+        dst_k.index_copy_(2, kv_slot, k)
+        dst_v.index_copy_(2, kv_slot, v)
+        if score is None:
+            dst_s.index_fill_(1, slot, 0.0)
+        else:
+            dst_s.index_copy_(1, slot, score.T.float())
+        dst_p.index_copy_(1, slot, true.expand(h, 1))
+        if dst_r is not None:
+            dst_r.index_fill_(2, slot, 0)
+        return
+    for t in (dst_k, dst_v, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("write_unit needs rows contiguous along the head dimension")
+    rest = dst_r if dst_r is not None else dst_k
+    _kernels().write_unit_kernel[(h,)](
+        kv_slot, slot, true, k, v, score.contiguous() if score is not None else dst_s, dst_k, dst_v, dst_s, dst_p, rest,
+        k.stride(1), v.stride(1), dst_k.stride(1), dst_k.stride(2), dst_v.stride(1), dst_v.stride(2),
+        dst_s.stride(0), dst_p.stride(0), rest.stride(1), rest.stride(2),
+        D=d, D_PAD=_pad(d), HAS_SCORE=score is not None, HAS_REST=dst_r is not None)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

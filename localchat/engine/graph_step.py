@@ -178,7 +178,7 @@ class GraphStep:
     def _body(self) -> torch.Tensor:
         inputs, d = self.inputs, self.head_dim
         slot, tail_slot, lens = inputs[SLOT:SLOT + 1], inputs[TAIL_SLOT:TAIL_SLOT + 1], inputs[MAIN:TAIL + 1]
-        true = inputs[TRUE:TRUE + 1].expand(self.kv_heads, 1)
+        true = inputs[TRUE:TRUE + 1]
         inner = self.model.model
         h = inner.embed_tokens(inputs[TOKEN:TOKEN + 1].view(1, 1))  # [1, 1, hidden]
         cos, sin = inner.rotary_emb(h, inputs[ROPE:ROPE + 1].view(1, 1))
@@ -194,30 +194,22 @@ class GraphStep:
                 q, k, v = attn.qkv_proj.forward(x).split(self.qkv_sizes, dim=-1)
             else:
                 q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
-            if self.heads is not None:  # the new unit's score, from its pre-RoPE q/k/v
-                qkv = torch.cat((q[0], k[0], v[0]), dim=-1).to(self.heads_dtype)
-                held._s.index_copy_(1, slot, self.heads.layers[i](qkv).T.float())
-            else:
-                held._s.index_fill_(1, slot, 0.0)
-            held._p.index_copy_(1, slot, true)
+            score = None  # the new unit's score, from its pre-RoPE q/k/v (LOCRET's retaining heads)
+            if self.heads is not None:
+                score = self.heads.layers[i](torch.cat((q[0], k[0], v[0]), dim=-1).to(self.heads_dtype))
             q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [1, H, 1, d]
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            if self.fused:
-                q, k = fused.rope_qk(q, k, cos, sin)
-            else:
-                q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
+            q, k = fused.rope_qk(q, k, cos, sin, kernel=self.fused)
             query = q.reshape(1, self.q_heads, 1, d)
+            # K/V (at the tail's slot in a quantized cache), score, true position, key remainder
+            dst = (held._tk, held._tv, None, tail_slot) if self.quantized else (held._k, held._v, held._r, slot)
+            fused.write_unit(dst[0], dst[1], held._s, held._p, dst[2], dst[3], slot, true, k, v, score,
+                             kernel=self.fused)
             if self.quantized:
-                held._tk.index_copy_(2, tail_slot, k)
-                held._tv.index_copy_(2, tail_slot, v)
                 out = graph_attn.attention(query, held._q, held._tk, held._tv, lens, held.bits, group_size(d),
                                            self.scaling, held.inv_freq)
             else:
-                held._k.index_copy_(2, slot, k)
-                held._v.index_copy_(2, slot, v)
-                if held._r is not None:  # keys come in exact
-                    held._r.index_fill_(2, slot, 0)
                 out = graph_attn.attention(query, {"k": held._k, "v": held._v}, None, None, lens, 0, d,
                                            self.scaling)
             attended = attn.o_proj.forward(out.view(1, 1, -1))

@@ -81,3 +81,29 @@ def test_serves_llama_qwen_and_phi3_layers_and_not_gemmas():
     gemma = GemmaForCausalLM(GemmaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, head_dim=16,
                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
     assert not fused.serves(gemma)  # GELU, and norms of (1 + weight)
+
+
+@pytest.mark.parametrize("with_score,with_rest", [(True, True), (False, False)])
+def test_write_unit_puts_the_unit_where_the_index_writes_do(with_score, with_rest, triton_backend):
+    """K/V at the K/V slot (a quantized cache's tail slot differs from the unit slot), the score (0 without heads)
+    and true position at the unit slot, the key remainder zeroed; nothing else touched."""
+    g = torch.Generator().manual_seed(3)
+    h, cap, d = 3, 12, 48  # d not a power of two
+
+    def buffers():
+        g.manual_seed(4)
+        return [torch.randn(1, h, cap, d, generator=g).to(DEV), torch.randn(1, h, cap, d, generator=g).to(DEV),
+                torch.randn(h, cap, generator=g).to(DEV), torch.randint(0, 99, (h, cap), generator=g).to(DEV),
+                torch.randint(-9, 9, (1, h, cap, d), generator=g).to(torch.int8).to(DEV) if with_rest else None]
+
+    k = torch.randn(1, 1, h * d, generator=g).to(DEV).view(1, 1, h, d).transpose(1, 2)
+    v = torch.randn(1, 1, h * d, generator=g).to(DEV).view(1, 1, h, d).transpose(1, 2)
+    score = torch.randn(1, h, generator=g).to(torch.bfloat16).to(DEV) if with_score else None
+    kv_slot, slot, true = (torch.tensor([x], device=DEV) for x in (7, 9, 12345))
+    got, want = buffers(), buffers()
+    fused.write_unit(*got, kv_slot, slot, true, k, v, score)
+    fused.write_unit(*want, kv_slot, slot, true, k, v, score, kernel=False)  # the index writes
+    for a, b in zip(got, want):
+        assert a is None and b is None or torch.equal(a, b)
+    assert torch.equal(got[0][0, :, 7], k[0, :, 0]) and torch.equal(got[3][:, 9], torch.full((h,), 12345, device=DEV))
+    assert torch.equal(got[2][:, 9], score[0].float() if with_score else torch.zeros(h, device=DEV))
