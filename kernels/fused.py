@@ -7,6 +7,7 @@ of a few microseconds, so a layer's ~45 small kernels cost more than a small mod
 | `rope_qk(q, k, cos, sin)` | the query's and key's rotation, 5 ops each |
 | `silu_mul(gate, up)` | the MLP's act and product |
 | `write_unit(...)` | the new unit's K, V, score, true position and key remainder: 4-5 index writes |
+| `join_linears(...)` | q/k/v (and gate/up) as one product where they are plain linear layers: 3 launches -> 1 |
 
 Triton where `use_triton`, else the eager ops themselves (the twin). `serves(model)` says whether the model's
 layers are the ones these replace.
@@ -113,6 +114,34 @@ def write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, sco
         k.stride(1), v.stride(1), dst_k.stride(1), dst_k.stride(2), dst_v.stride(1), dst_v.stride(2),
         dst_s.stride(0), dst_p.stride(0), rest.stride(1), rest.stride(2),
         D=d, D_PAD=_pad(d), HAS_SCORE=score is not None, HAS_REST=dst_r is not None)
+
+
+def join_linears(owner, name: str, linears) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of one linear layer doing the work of `linears` (which read the same input), kept on `owner`
+    as `name`: the layers' own parameters are re-pointed into it, so there is no second copy and every other path
+    reads the same numbers. None when they are not plain `nn.Linear` of one dtype and device, with all or no
+    biases (quantized layers keep their own products)."""
+    joined = getattr(owner, name, None)
+    if joined is not None and all(m.weight.untyped_storage().data_ptr() == joined[0].untyped_storage().data_ptr()
+                                  for m in linears):
+        return joined
+    if not all(type(m) is torch.nn.Linear for m in linears):
+        return None
+    weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+    if len({(w.dtype, w.device) for w in weights}) != 1 or len({b is None for b in biases}) != 1:
+        return None
+    with torch.no_grad():
+        weight = torch.cat([w.detach() for w in weights])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        at = 0
+        for m in linears:
+            rows = m.weight.shape[0]
+            m.weight = torch.nn.Parameter(weight[at:at + rows], requires_grad=False)
+            if bias is not None:
+                m.bias = torch.nn.Parameter(bias[at:at + rows], requires_grad=False)
+            at += rows
+    setattr(owner, name, (weight, bias))
+    return weight, bias
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,12 @@ class GraphStep:
         self.reason: str | None = None
         self.heads_dtype = next(heads.parameters()).dtype if heads is not None else None
         self.fused = self.FUSED and fused.serves(model)
+        # q/k/v and gate/up as one product each, where they are plain linear layers (bf16/fp32 weights)
+        self.qkv = [fused.join_linears(layer.self_attn, "joined_qkv", [getattr(layer.self_attn, f"{n}_proj")
+                                                                        for n in "qkv"])
+                    if self.fused and hasattr(layer.self_attn, "q_proj") else None for layer in self.layers]
+        self.gate_up = [fused.join_linears(layer.mlp, "joined_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
+                        if self.fused and hasattr(layer.mlp, "gate_proj") else None for layer in self.layers]
 
     @property
     def cache(self) -> KVCache | None:
@@ -192,6 +198,8 @@ class GraphStep:
                 x = layer.input_layernorm(h)
             if hasattr(attn, "qkv_proj"):  # Phi-3 (called past its hook, as the others)
                 q, k, v = attn.qkv_proj.forward(x).split(self.qkv_sizes, dim=-1)
+            elif self.qkv[i] is not None:
+                q, k, v = torch.nn.functional.linear(x, *self.qkv[i]).split(self.qkv_sizes, dim=-1)
             else:
                 q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
             score = None  # the new unit's score, from its pre-RoPE q/k/v (LOCRET's retaining heads)
@@ -218,6 +226,8 @@ class GraphStep:
                 mlp = layer.mlp
                 if hasattr(mlp, "gate_up_proj"):  # Phi-3
                     gate, up = mlp.gate_up_proj.forward(x).chunk(2, dim=-1)
+                elif self.gate_up[i] is not None:
+                    gate, up = torch.nn.functional.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
                 else:
                     gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
                 pending = mlp.down_proj.forward(fused.silu_mul(gate, up))

@@ -73,6 +73,24 @@ def test_a_step_gives_transformers_logits_and_cache(arch, tok):
         torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
 
 
+def test_q_k_v_and_gate_up_become_one_product_over_the_models_own_weights(tok):
+    """Plain linear layers: one weight each for q/k/v and gate/up, the model's parameters re-pointed into it (no
+    second copy; the model's own forward reads the same numbers), joined once for every later step."""
+    model = tiny_architecture("qwen2", len(tok))  # q/k/v with biases
+    attn = model.model.layers[0].self_attn
+    before = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).clone()
+    engine = Engine(model, tok, chunk=32, policy=_locret(model))
+    cache = read_attached(engine, model, torch.randint(3, len(tok) - 3, (1, 80)))[0]
+    step = GraphStep(model, cache, heads=engine.policy.unit_heads())
+    weight, bias = step.qkv[0]
+    assert torch.equal(weight, before) and bias is not None
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert step.gate_up[1][0].shape[0] == 2 * model.config.intermediate_size
+    assert GraphStep(model, cache, heads=engine.policy.unit_heads()).qkv[0][0] is weight  # joined once
+    engine.policy.detach()
+
+
 def test_original_positions(tok):
     """A policy that keeps true positions: the step's RoPE takes the true position, not the slot."""
     ours, theirs = _steps("llama", tok, positions="original")
