@@ -36,6 +36,27 @@ def _rows(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, umask, BITS: tl.conste
     return x
 
 
+@triton.jit
+def _rope_offsets(inv_ptr, cols, cmask, D: tl.constexpr, BLOCK: tl.constexpr):
+    """For the in-kernel RoPE: each column's partner (rotate_half) and sign, its frequency, and cos/sin of j·inv
+    for a block's offsets j `[BLOCK, D_PAD]` (computed once per program; see _block_angles)."""
+    HALF: tl.constexpr = D // 2
+    partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
+    sign = tl.where(cols < HALF, -1.0, 1.0)
+    inv = tl.load(inv_ptr + (cols % HALF), mask=cmask, other=0.0)
+    step = tl.arange(0, BLOCK).to(tl.float32)[:, None] * inv[None, :]
+    return partner, sign, inv, tl.cos(step), tl.sin(step)
+
+
+@triton.jit
+def _block_angles(first, cols, inv, cos_j, sin_j):
+    """cos and sin of the angles (first + j)·inv `[BLOCK, D_PAD]` by the addition rule: two transcendentals per
+    column per block instead of two per element."""
+    base = (first + cols * 0).to(tl.float32) * inv
+    cos_b, sin_b = tl.cos(base)[None, :], tl.sin(base)[None, :]
+    return cos_b * cos_j - sin_b * sin_j, sin_b * cos_j + cos_b * sin_j
+
+
 @triton.jit(do_not_specialize=["n", "nt", "per_split"])
 def qattn_split_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, inv_ptr, out_ptr, lse_ptr, lens_ptr,
@@ -55,14 +76,8 @@ def qattn_split_kernel(
     cmask = cols < D
     q = tl.load(q_ptr + hq * q_h + cols, mask=cmask, other=0.0).to(tl.float32) * scaling
     if ROTATE:  # q·R(i)k = (R(-i)q)·k: rotate the query per unit instead of each key (no partner dequantize)
-        HALF: tl.constexpr = D // 2
-        partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
+        partner, sign, inv, cos_j, sin_j = _rope_offsets(inv_ptr, cols, cmask, D, BLOCK)
         qp = tl.load(q_ptr + hq * q_h + partner, mask=cmask, other=0.0).to(tl.float32) * scaling
-        sign = tl.where(cols < HALF, -1.0, 1.0)
-        inv = tl.load(inv_ptr + (cols % HALF), mask=cmask, other=0.0)
-        # angle (first + j)·inv by the addition rule: cos/sin of j·inv once here, of first·inv once per block
-        step = tl.arange(0, BLOCK).to(tl.float32)[:, None] * inv[None, :]
-        cos_j, sin_j = tl.cos(step), tl.sin(step)
 
     tail = split == programs - 1
     q_start = tl.where(tail, 0, split * per_split)
@@ -78,10 +93,7 @@ def qattn_split_kernel(
         k = _rows(kc_ptr, ks_ptr, kz_ptr, h * kc_h + units * kc_u, h * ks_h + units * ks_u,
                   h * kz_h + units * kz_u, cols, umask, BITS, G)
         if ROTATE:
-            base = (first + cols * 0).to(tl.float32) * inv
-            cos_b, sin_b = tl.cos(base)[None, :], tl.sin(base)[None, :]
-            cos_a = cos_b * cos_j - sin_b * sin_j
-            sin_a = sin_b * cos_j + cos_b * sin_j
+            cos_a, sin_a = _block_angles(first, cols, inv, cos_j, sin_j)
             s = tl.sum(k * (q[None, :] * cos_a - sign[None, :] * qp[None, :] * sin_a), axis=1)
         else:
             s = tl.sum(k * q[None, :], axis=1)
@@ -137,12 +149,7 @@ def qattn_group_kernel(
     qmask = hmask[:, None] & cmask[None, :]
     q = tl.load(q_ptr + hq[:, None] * q_h + cols[None, :], mask=qmask, other=0.0).to(tl.float32) * scaling
     if ROTATE:  # R(i)k = k·cos + sign·k[partner]·sin, rotated once for the group
-        HALF: tl.constexpr = D // 2
-        partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
-        sign = tl.where(cols < HALF, -1.0, 1.0)
-        inv = tl.load(inv_ptr + (cols % HALF), mask=cmask, other=0.0)
-        step = tl.arange(0, BLOCK).to(tl.float32)[:, None] * inv[None, :]
-        cos_j, sin_j = tl.cos(step), tl.sin(step)
+        partner, sign, inv, cos_j, sin_j = _rope_offsets(inv_ptr, cols, cmask, D, BLOCK)
 
     tail = split == programs - 1
     q_start = tl.where(tail, 0, split * per_split)
@@ -159,9 +166,8 @@ def qattn_group_kernel(
         k = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, cols, umask, BITS, G)
         if ROTATE:
             kp = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, partner, umask, BITS, G)
-            base = (first + cols * 0).to(tl.float32) * inv
-            cos_b, sin_b = tl.cos(base)[None, :], tl.sin(base)[None, :]
-            k = k * (cos_b * cos_j - sin_b * sin_j) + sign[None, :] * kp * (sin_b * cos_j + cos_b * sin_j)
+            cos_a, sin_a = _block_angles(first, cols, inv, cos_j, sin_j)
+            k = k * cos_a + sign[None, :] * kp * sin_a
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [QP, BLOCK]
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

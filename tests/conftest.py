@@ -31,6 +31,20 @@ def _cpu_not_measured(monkeypatch):
     monkeypatch.setattr(planner, "cpu_class", lambda: "DEFAULT")
 
 
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """The Triton kernels in place of their twins: under Triton's interpreter on a CPU (TRITON_INTERPRET above),
+    natively on CUDA."""
+    import localchat.kernels as kernels
+
+    monkeypatch.setenv("LOCALCHAT_KERNELS", "triton")
+    kernels.reset_backend()
+    assert kernels.backend() == "triton"
+    yield
+    monkeypatch.delenv("LOCALCHAT_KERNELS")
+    kernels.reset_backend()
+
+
 @pytest.fixture(scope="session")
 def tiny_tok():
     return tiny_tokenizer()

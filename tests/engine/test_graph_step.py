@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import localchat.kernels as kernels
 from localchat.engine import graph_step
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done, Notice
@@ -111,17 +110,6 @@ def test_the_quantized_cache(kv, tok):
         torch.testing.assert_close(x.keys, y.keys, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
         assert torch.equal(x.positions, y.positions)
-
-
-@pytest.fixture
-def triton_kernels(monkeypatch):
-    """Attention through the Triton kernel under its interpreter (conftest sets TRITON_INTERPRET on a CPU)."""
-    monkeypatch.setenv("LOCALCHAT_KERNELS", "triton")
-    kernels.reset_backend()
-    assert kernels.backend() == "triton"
-    yield
-    monkeypatch.delenv("LOCALCHAT_KERNELS")
-    kernels.reset_backend()
 
 
 @pytest.mark.parametrize("kv", ["none", "int4"])

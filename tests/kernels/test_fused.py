@@ -9,21 +9,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-import localchat.kernels as kernels
 from localchat.kernels import fused
 from tiny import tiny_architecture
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture
-def triton_backend(monkeypatch):
-    monkeypatch.setenv("LOCALCHAT_KERNELS", "triton")
-    kernels.reset_backend()
-    assert kernels.backend() == "triton"
-    yield
-    monkeypatch.delenv("LOCALCHAT_KERNELS")
-    kernels.reset_backend()
 
 
 def _tol(dtype):
@@ -32,7 +21,7 @@ def _tol(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_x", [True, False])
-def test_add_rms_norm_equals_the_add_and_the_norm(dtype, with_x, triton_backend):
+def test_add_rms_norm_equals_the_add_and_the_norm(dtype, with_x, triton_kernels):
     g = torch.Generator().manual_seed(0)
     n = 96  # not a power of two
     norm = LlamaRMSNorm(n, eps=1e-5).to(dtype)
@@ -52,7 +41,7 @@ def test_add_rms_norm_equals_the_add_and_the_norm(dtype, with_x, triton_backend)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,h,d", [(6, 2, 64), (4, 4, 32)])
-def test_rope_qk_equals_transformers_rotation(hq, h, d, dtype, triton_backend):
+def test_rope_qk_equals_transformers_rotation(hq, h, d, dtype, triton_kernels):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(1, 1, hq * d, generator=g).to(dtype).to(DEV)
     q = hidden.view(1, 1, hq, d).transpose(1, 2)  # the step's view of a projection
@@ -68,7 +57,7 @@ def test_rope_qk_equals_transformers_rotation(hq, h, d, dtype, triton_backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_equals_the_act_and_the_product(dtype, triton_backend):
+def test_silu_mul_equals_the_act_and_the_product(dtype, triton_kernels):
     g = torch.Generator().manual_seed(2)
     gate, up = (torch.randn(1, 1, 1500, generator=g).mul(4).to(dtype).to(DEV) for _ in range(2))  # two blocks and a part
     torch.testing.assert_close(fused.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, **_tol(dtype))
@@ -84,7 +73,7 @@ def test_serves_llama_qwen_and_phi3_layers_and_not_gemmas():
 
 
 @pytest.mark.parametrize("with_score,with_rest", [(True, True), (False, False)])
-def test_write_unit_puts_the_unit_where_the_index_writes_do(with_score, with_rest, triton_backend):
+def test_write_unit_puts_the_unit_where_the_index_writes_do(with_score, with_rest, triton_kernels):
     """K/V at the K/V slot (a quantized cache's tail slot differs from the unit slot), the score (0 without heads)
     and true position at the unit slot, the key remainder zeroed; nothing else touched."""
     g = torch.Generator().manual_seed(3)
