@@ -70,10 +70,11 @@ def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None) 
     return _done(engine.continue_on(copy, follow, at, settings), notes), copy
 
 
-def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> float | None:
-    """GPU kernel time per decoded token over `tokens` steps, from the profiler (None off CUDA)."""
+def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | None, str | None]:
+    """(GPU kernel time per decoded token over `tokens` steps, from the profiler; the TOP kernels by that time),
+    both None off CUDA."""
     if engine.device.type != "cuda":
-        return None
+        return None, None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -82,8 +83,8 @@ def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> float | None:
     events = prof.key_averages()
     per_token = 1000 * max(done.new_tokens, 1)
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:TOP]
-    _kernel_ms.top = "; ".join(f"{e.key[:60]} {e.self_device_time_total / per_token:.3f} ms x{e.count}" for e in top)
-    return sum(e.self_device_time_total for e in events) / per_token
+    named = "; ".join(f"{e.key[:60]} {e.self_device_time_total / per_token:.3f} ms x{e.count}" for e in top)
+    return sum(e.self_device_time_total for e in events) / per_token, named
 
 
 def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
@@ -122,7 +123,7 @@ def measure(args) -> dict:
             took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
             replay = _replay_ms(engine) if way.startswith("graph") else None
-            kernel = _kernel_ms(engine, cache, at, args.profile_tokens)
+            kernel, top = _kernel_ms(engine, cache, at, args.profile_tokens)
             rows.append({
                 "weights": weights, "way": way if not way.startswith("graph") or took else f"{way} (not taken: {'; '.join(notes) or 'not CUDA'})",
                 "decode_tok_s": round(done.decode_tps, 1), "ms_per_token": round(ms_token, 3),
@@ -132,7 +133,7 @@ def measure(args) -> dict:
                 "replay_busy_share": None if replay is None else round(min(replay / ms_token, 1.0), 3),
                 "prefill_tok_s": round(read.prefill_tps, 1), "kv_units_per_head": done.kv_tokens,
                 "peak_gib_after_read": None if peak is None else round(peak, 2),
-                "top_kernels": getattr(_kernel_ms, "top", None) if kernel is not None else None,
+                "top_kernels": top,
             })
             print(json.dumps(rows[-1]), flush=True)
         _way(engine, "graph")
