@@ -145,6 +145,7 @@ def join_linears(owner, name: str, linears) -> tuple[torch.Tensor, torch.Tensor 
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x·cos + rotate_half(x)·sin, as transformers' apply_rotary_pos_emb."""
+    """x·cos + rotate_half(x)·sin in x's dtype, as transformers' apply_rotary_pos_emb (a decoded token's q and k;
+    kernels/rope.py's `rotate` is the fp32 one for cached keys)."""
     half = x.shape[-1] // 2
     return (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin).to(x.dtype)

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from localchat.engine.cache import KVCache
 from localchat.kernels import cpu_decode
+from localchat.kernels.fused import rotate
 from localchat.kernels.packed import GROUP, PackedLinear
 
 LAYOUTS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -45,11 +46,6 @@ def supported(model, cache) -> bool:
     return (type(model).__name__ in LAYOUTS and type(cache) is KVCache and cache.extension is None
             and config._attn_implementation == "sdpa" and not getattr(config, "use_sliding_window", False)
             and getattr(config, "final_logit_softcapping", None) is None)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _hooked(module) -> bool:
@@ -167,7 +163,7 @@ class DecodeStep:
             v = qkv[:, hq + hkv :].view(1, -1, 1, d)
             if self.q_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # q and k in one rotation
+            qk = rotate(torch.cat((q, k), dim=1), cos, sin)  # q and k in one rotation
             q, k = qk[:, : self.q_heads], qk[:, self.q_heads:]
             keys, values = cache.layers[i].update(k, v)
             # the query heads of a KV head as that head's queries: K and V are read once per KV head (on this

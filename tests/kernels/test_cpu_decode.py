@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from localchat.engine.decode_step import _rotate
+from localchat.kernels.fused import rotate as _rotate
 from localchat.kernels import cpu_decode
 
 
