@@ -19,6 +19,10 @@
 #include <immintrin.h>
 #endif
 
+bool prefetch = true;  // software prefetch in the row products and attention (set_prefetch: off, to compare)
+
+void set_prefetch(bool on) { prefetch = on; }
+
 namespace {
 
 constexpr int64_t kMinUnits = 64;  // units per range at least: smaller ranges cost more to merge than they save
@@ -106,6 +110,9 @@ void attend_range_avx2(const float* q, const float* k, const float* v, int64_t k
     const int64_t j2 = std::min(j + 1, len - 1);
     const float* kj = k + (lo + j) * k_stride;
     const float* kj2 = k + (lo + j2) * k_stride;
+    if (prefetch && j + 8 < len)  // the keys 8 units ahead, their lines
+      for (int u = 8; u < 10; ++u)
+        for (int64_t e = 0; e < D; e += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + u * k_stride + e), _MM_HINT_T0);
     __m256 acc[G], acc2[G];
     for (int g = 0; g < G; ++g) acc[g] = acc2[g] = _mm256_setzero_ps();
     for (int64_t e = 0; e < D; e += 8) {
@@ -144,6 +151,8 @@ void attend_range_avx2(const float* q, const float* k, const float* v, int64_t k
       for (int w = 0; w < W; ++w) o[g][w] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; ++j) {
       const float* vj = v + (lo + j) * v_stride + h0;
+      if (prefetch && j + 8 < len)
+        for (int w = 0; w < W; w += 2) _mm_prefetch(reinterpret_cast<const char*>(vj + 8 * v_stride + 8 * w), _MM_HINT_T0);
       __m256 vv[W];
       for (int w = 0; w < W; ++w) vv[w] = _mm256_loadu_ps(vj + 8 * w);
       for (int g = 0; g < G; ++g) {
@@ -452,7 +461,14 @@ void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, co
       const uint8_t* blk = parts[i].P + b * K * H;
       __m256 res[4];
       for (int a = 0; a < 4; ++a) res[a] = _mm256_setzero_ps();
+      const bool fetch = prefetch && (b + 1) * B < rows;  // the next block's codes and scales, a group's lines at a time
       for (int64_t g = 0; g < groups; ++g) {
+        if (fetch) {
+          const char* next = reinterpret_cast<const char*>(blk + K * H + g * 32 * H);
+          for (int line = 0; line < 32 * H; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(SZ + g * rows + (b + 1) * B), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(SZ + g * rows + (b + 1) * B + 16), _MM_HINT_T0);
+        }
         __m256i wide[4];  // int32 sums of rows 8a .. 8a + 7
         for (int a = 0; a < 4; ++a) wide[a] = _mm256_setzero_si256();
         for (int half = 0; half < 2; ++half) {  // 8 input pairs at a time: 16-bit sums stay below 8 x 3,810
@@ -493,6 +509,7 @@ void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, co
 // int8 weights [rows, K] (one scale per row) times the row quantized as above: per row and group of 32 inputs one
 // `maddubs` of |x| and the weights carrying x's sign (llama.cpp's trick: both operands of maddubs in range), one
 // `madd` into 8 int32 sums, scaled by the group's activation scale; 4 rows share each load of x.
+constexpr int64_t AHEAD = 4;
 void int8_rows_q8_avx2(const int8_t* XQ, const float* XS, const int8_t* W, const at::BFloat16* S, int64_t rows,
                        int64_t K, float* Y) {
   const int64_t groups = K / 32;
@@ -506,7 +523,13 @@ void int8_rows_q8_avx2(const int8_t* XQ, const float* XS, const int8_t* W, const
     for (int64_t r = 4 * r0; r < 4 * r1; r += 4) {
       __m256 acc[4];
       for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
+      const int8_t* ahead = W + (r + 4 * AHEAD) * K;  // 4 rows are 4 K bytes: two lines a group ahead
+      const bool fetch = prefetch && r + 4 * AHEAD < rows;
       for (int64_t g = 0; g < groups; ++g) {
+        if (fetch) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 128), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 128 + 64), _MM_HINT_T0);
+        }
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(XQ + g * 32));
         const __m256i ax = _mm256_sign_epi8(xq, xq);
         const __m256 xs = _mm256_set1_ps(XS[g]);
@@ -718,6 +741,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
   m.def("set_row_int8", &set_row_int8, "AVX2: quantize the row to int8 for packed_row (default) or not");
+  m.def("set_prefetch", &set_prefetch, "software prefetch in the row products and attention (default) or not");
   m.def("set_together", &set_together, "layer_step: q/k/v and gate/up in one parallel region each (default) or not");
   m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");
