@@ -25,7 +25,8 @@ void set_prefetch(bool on) { prefetch = on; }
 
 namespace {
 
-constexpr int64_t kMinUnits = 64;  // units per range at least: smaller ranges cost more to merge than they save
+constexpr int64_t kMinUnits = 64;
+constexpr int64_t AHEAD_UNITS = 32;  // units of K or V prefetched ahead: about a memory latency of work  // units per range at least: smaller ranges cost more to merge than they save
 
 struct Partial {  // one range's softmax state for every query of its head
   std::vector<float> max, sum, out;  // [G], [G], [G * D]
@@ -110,8 +111,8 @@ void attend_range_avx2(const float* q, const float* k, const float* v, int64_t k
     const int64_t j2 = std::min(j + 1, len - 1);
     const float* kj = k + (lo + j) * k_stride;
     const float* kj2 = k + (lo + j2) * k_stride;
-    if (prefetch && j + 8 < len)  // the keys 8 units ahead, their lines
-      for (int u = 8; u < 10; ++u)
+    if (prefetch && j + AHEAD_UNITS + 2 <= len)  // the keys AHEAD_UNITS units ahead, their lines
+      for (int64_t u = AHEAD_UNITS; u < AHEAD_UNITS + 2; ++u)
         for (int64_t e = 0; e < D; e += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + u * k_stride + e), _MM_HINT_T0);
     __m256 acc[G], acc2[G];
     for (int g = 0; g < G; ++g) acc[g] = acc2[g] = _mm256_setzero_ps();
@@ -151,8 +152,8 @@ void attend_range_avx2(const float* q, const float* k, const float* v, int64_t k
       for (int w = 0; w < W; ++w) o[g][w] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; ++j) {
       const float* vj = v + (lo + j) * v_stride + h0;
-      if (prefetch && j + 8 < len)
-        for (int w = 0; w < W; w += 2) _mm_prefetch(reinterpret_cast<const char*>(vj + 8 * v_stride + 8 * w), _MM_HINT_T0);
+      if (prefetch && j + AHEAD_UNITS < len)
+        for (int w = 0; w < W; w += 2) _mm_prefetch(reinterpret_cast<const char*>(vj + AHEAD_UNITS * v_stride + 8 * w), _MM_HINT_T0);
       __m256 vv[W];
       for (int w = 0; w < W; ++w) vv[w] = _mm256_loadu_ps(vj + 8 * w);
       for (int g = 0; g < G; ++g) {

@@ -80,9 +80,26 @@ class KVLayer(DynamicLayer):
                 r[:, :, : self.n] = self._r[:, :, : self.n]
         self._k, self._v, self._s, self._p, self._r = k, v, s, p, r
 
+    # `keys`/`values` (transformers' names) are views of the units held, made when read: a decoded token does
+    # not pay for two views per layer. Before the buffers exist they are what transformers set.
+    @property
+    def keys(self):
+        return self._keys if self._k is None else self._k[:, :, : self.n]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._keys = value
+
+    @property
+    def values(self):
+        return self._values if self._v is None else self._v[:, :, : self.n]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._values = value
+
     def _publish(self) -> None:
-        self.keys = self._k[:, :, : self.n]
-        self.values = self._v[:, :, : self.n]
+        """After `n` changed: nothing here (the views are made when read); a quantized layer sets its own."""
 
     @property
     def scores(self) -> torch.Tensor:
@@ -108,7 +125,6 @@ class KVLayer(DynamicLayer):
         pos = self.pending_positions
         self._p[:, self.n : end] = pos if pos is not None else torch.arange(self.n, end, device=self._p.device)
         self.n = end
-        self._publish()
         return self.keys, self.values
 
     def take_slot(self) -> int:
@@ -119,7 +135,6 @@ class KVLayer(DynamicLayer):
         if self._r is not None:  # keys come in exact
             self._r[:, :, n] = 0
         self.n = n + 1
-        self._publish()
         return n
 
     def open_slot(self, position: int) -> int:
@@ -157,14 +172,11 @@ class KVLayer(DynamicLayer):
         self._s[:, :k] = torch.gather(self.scores, 1, idx)
         self._p[:, :k] = torch.gather(self.positions, 1, idx)
         self.n = k
-        self._publish()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count of tokens to remove")
         self.n = max(0, self.n + tokens_to_remove)
-        if self._k is not None:
-            self._publish()
 
     def reset(self) -> None:
         self._k = self._v = self._s = self._p = self._r = None
@@ -195,7 +207,6 @@ class KVLayer(DynamicLayer):
             self._r = torch.zeros(self._k.shape, dtype=torch.int8, device=self._k.device)
             self._r[:, :, :n] = kr
         self.n = n
-        self._publish()
 
     def hold(self, t: dict[str, torch.Tensor]) -> None:
         """Hold exactly the units of a `tensors()` output (copied in)."""
