@@ -132,11 +132,12 @@ class GraphStep:
         return torch.zeros((1, layer._q["qk"].shape[1], 1, layer.head_dim), dtype=layer.dtype, device=layer._s.device)
 
     def _buffers(self) -> tuple:
+        """Where every buffer the step writes or reads lies, and its shape: a change means capture again."""
         out = []
         for layer in self.cache.layers:
             ts = [layer._s, layer._p, layer._r]
             ts += [*layer._q.values(), layer._tk, layer._tv] if self.quantized else [layer._k, layer._v]
-            out += [(t.data_ptr(), tuple(t.shape)) if t is not None else None for t in ts]
+            out += [None if t is None else (t.data_ptr(), t.shape) for t in ts]
         return tuple(out)
 
     @torch.inference_mode()
