@@ -13,6 +13,7 @@ import argparse
 import statistics
 import time
 
+import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
 
 from localchat.bench.cell import Cell, use_policy

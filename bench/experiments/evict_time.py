@@ -12,6 +12,7 @@ import argparse
 import json
 import time
 
+import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
 
 from localchat.engine.cache import KVCache

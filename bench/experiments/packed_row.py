@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
 from torch import nn
 
