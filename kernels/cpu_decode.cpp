@@ -25,8 +25,8 @@ void set_prefetch(bool on) { prefetch = on; }
 
 namespace {
 
-constexpr int64_t kMinUnits = 64;
-constexpr int64_t AHEAD_UNITS = 32;  // units of K or V prefetched ahead: about a memory latency of work  // units per range at least: smaller ranges cost more to merge than they save
+constexpr int64_t kMinUnits = 64;  // units per range at least: smaller ranges cost more to merge than they save
+constexpr int64_t AHEAD_UNITS = 32;  // keys and values prefetched this many units ahead of their use
 
 struct Partial {  // one range's softmax state for every query of its head
   std::vector<float> max, sum, out;  // [G], [G], [G * D]
@@ -509,7 +509,8 @@ void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, co
 
 // int8 weights [rows, K] (one scale per row) times the row quantized as above: per row and group of 32 inputs one
 // `maddubs` of |x| and the weights carrying x's sign (llama.cpp's trick: both operands of maddubs in range), one
-// `madd` into 8 int32 sums, scaled by the group's activation scale; 4 rows share each load of x.
+// `madd` into 8 int32 sums, scaled by the group's activation scale; 4 rows share each load of x. The rows AHEAD
+// groups of 4 further on are prefetched meanwhile (the hardware's prefetcher does not follow four rows at once).
 constexpr int64_t AHEAD = 4;
 void int8_rows_q8_avx2(const int8_t* XQ, const float* XS, const int8_t* W, const at::BFloat16* S, int64_t rows,
                        int64_t K, float* Y) {
