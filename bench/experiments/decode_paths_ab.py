@@ -66,7 +66,6 @@ def main(argv: list[str] | None = None) -> None:
                 step.step(token, 2000 + i)
                 for layer in cache.layers:  # the same cache length every step
                     layer.n -= 1
-                    layer._publish()
             policy.scorer.queue = [[] for _ in policy.scorer.queue]
             return n / (time.perf_counter() - t)
 

@@ -98,9 +98,6 @@ class KVLayer(DynamicLayer):
     def values(self, value) -> None:
         self._values = value
 
-    def _publish(self) -> None:
-        """After `n` changed: nothing here (the views are made when read); a quantized layer sets its own."""
-
     @property
     def scores(self) -> torch.Tensor:
         """`[H_kv, n]` float32, writable in place."""

@@ -20,7 +20,6 @@ ATTRIBUTES = [
     ("localchat.engine.decode_step", "_layer_plan"),
     ("localchat.engine.decode_step", "DecodeStep.step"),
     ("localchat.kernels.cpu_decode", "kernels"),
-    ("localchat.engine.cache", "KVLayer._publish"),
     ("localchat.engine.cache", "KVCache.set_pending_positions"),
     ("localchat.engine.policies.locret", "Locret.priority"),
     ("localchat.engine.policies.corm", "CORM.aligned"),
