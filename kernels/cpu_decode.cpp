@@ -12,9 +12,21 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -22,6 +34,162 @@
 bool prefetch = true;  // software prefetch in the row products and attention (set_prefetch: off, to compare)
 
 void set_prefetch(bool on) { prefetch = on; }
+
+// The decode step's threads. A token runs about 150 parallel loops of 10-100 us each. Under the app's sleeping
+// OpenMP wait (OMP_WAIT_POLICY=PASSIVE, localchat/__init__.py) OpenMP puts its other threads to sleep after each
+// loop and wakes them for the next: a futex and a core's wake-up, twice a loop. This pool's threads spin for the
+// next loop (or for the others' shares) for a short window first, then sleep on a futex as OpenMP's would; the
+// window adapts (wait_for). On the 2-core EPYC a step at 1,181 units took 15.8 ms against 19.4 with OpenMP, the
+// same bits, and as long as OpenMP's beside busy processes (bench/results/cpu-defaults-avx2/pool_ab.txt).
+// Linux only; elsewhere, and with set_pool(0), the loops take at::parallel_for.
+#if defined(__linux__)
+int64_t spin_us = 200;
+#else
+int64_t spin_us = 0;
+#endif
+
+void set_pool(int64_t us) { spin_us = us; }
+
+namespace {
+
+using Loop = std::function<void(int64_t, int64_t)>;
+
+#if defined(__linux__)
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op | FUTEX_PRIVATE_FLAG, value, nullptr, nullptr, 0);
+}
+
+// Until `done()`: spin for up to this thread's window, then sleep on `word` while it holds what `value()` reads
+// (whoever changes it wakes `word`'s sleepers when `asleep` says there are some). A wait the spin ended doubles
+// the window (up to spin_us), one that had to sleep halves it: where the other thread keeps being preempted (a
+// busy machine) the spins shrink to nothing and the pool sleeps as OpenMP's would. No sched_yield: the kernel's
+// EEVDF scheduler pushes a yielding thread's deadline back a slice per call, which starves it under load.
+template <class Done, class Value>
+void wait_for(Done done, Value value, std::atomic<uint32_t>* word, std::atomic<uint32_t>& asleep) {
+  thread_local double window = -1;  // microseconds; a new thread starts at spin_us
+  thread_local int64_t waits = 0;
+  window = window < 0 ? spin_us : std::min(window, static_cast<double>(spin_us));
+  if (done()) return;
+  // every 32nd wait spins the whole spin_us: a window that shrank under load grows back once the load is gone
+  const bool probe = ++waits % 32 == 0;
+  const double spin = probe ? static_cast<double>(spin_us) : window;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(1000 * spin));
+  while (std::chrono::steady_clock::now() < until) {
+    for (int i = 0; i < 16; ++i) {
+      if (done()) {
+        window = probe ? spin_us : std::min(static_cast<double>(spin_us), 2 * window + 1);
+        return;
+      }
+      relax();
+    }
+  }
+  window /= 2;
+  while (!done()) {
+    asleep.fetch_add(1);
+    const uint32_t seen = value();
+    if (!done()) futex(word, FUTEX_WAIT, seen);
+    asleep.fetch_sub(1);
+  }
+}
+
+struct Pool {
+  int64_t threads;
+  std::atomic<uint32_t> job{0}, left{0}, workers_asleep{0}, caller_asleep{0};
+  std::atomic<bool> stop{false};
+  std::mutex busy;  // one loop at a time; a second caller takes at::parallel_for
+  const Loop* loop = nullptr;
+  int64_t begin = 0, end = 0, chunk = 0;
+  std::exception_ptr error;
+  std::mutex error_lock;
+
+  explicit Pool(int64_t n) : threads(n) {
+    for (int64_t t = 1; t < n; ++t) std::thread([this, t] { work(t); }).detach();
+  }
+
+  void share(int64_t t) {
+    const int64_t b = begin + t * chunk, e = std::min(end, b + chunk);
+    if (b >= e) return;
+    try {
+      (*loop)(b, e);
+    } catch (...) {
+      std::lock_guard<std::mutex> hold(error_lock);
+      if (!error) error = std::current_exception();
+    }
+  }
+
+  void work(int64_t t) {
+    uint32_t seen = 0;
+    for (;;) {
+      wait_for([&] { return job.load() != seen; }, [&] { return seen; }, &job, workers_asleep);
+      seen = job.load();
+      if (stop.load()) return;
+      share(t);
+      if (left.fetch_sub(1) == 1 && caller_asleep.load()) futex(&left, FUTEX_WAKE, 1);
+    }
+  }
+
+  // `f` over [b, e) in shares of at least `grain` (at::parallel_for's split), the caller taking the first share.
+  void run(int64_t b, int64_t e, int64_t grain, const Loop& f) {
+    const int64_t n = std::min(threads, (e - b + grain - 1) / grain);
+    loop = &f;
+    begin = b;
+    end = e;
+    chunk = (e - b + n - 1) / n;
+    error = nullptr;
+    left.store(static_cast<uint32_t>(threads - 1));
+    job.fetch_add(1);
+    if (workers_asleep.load()) futex(&job, FUTEX_WAKE, INT32_MAX);
+    share(0);
+    wait_for([&] { return left.load() == 0; }, [&] { return left.load(); }, &left, caller_asleep);
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+Pool* pool = nullptr;  // made on first use; a new one when torch's thread count changes (the old one is left)
+bool in_child = false;  // after fork() the workers are gone: the child makes its own pool
+
+void parallel(int64_t b, int64_t e, int64_t grain, const Loop& f) {
+  if (b >= e) return;
+  const int64_t threads = at::get_num_threads();
+  if (spin_us <= 0 || threads < 2 || e - b <= grain || at::in_parallel_region()) return at::parallel_for(b, e, grain, f);
+  static std::mutex make;
+  Pool* p;
+  {
+    std::lock_guard<std::mutex> hold(make);
+    if (in_child) {
+      pool = nullptr;
+      in_child = false;
+    }
+    if (pool == nullptr || pool->threads != threads) {
+      if (pool != nullptr) {  // the old one's workers leave once its loop in flight, if any, is done
+        std::lock_guard<std::mutex> idle(pool->busy);
+        pool->stop.store(true);
+        pool->job.fetch_add(1);
+        futex(&pool->job, FUTEX_WAKE, INT32_MAX);
+      }
+      static bool hooked = false;
+      if (!hooked) hooked = pthread_atfork(nullptr, nullptr, [] { in_child = true; }) == 0;
+      pool = new Pool(threads);
+    }
+    p = pool;
+  }
+  std::unique_lock<std::mutex> hold(p->busy, std::try_to_lock);
+  if (!hold.owns_lock()) return at::parallel_for(b, e, grain, f);
+  p->run(b, e, grain, f);
+}
+#else
+void parallel(int64_t b, int64_t e, int64_t grain, const Loop& f) { at::parallel_for(b, e, grain, f); }
+#endif
+
+}  // namespace
 
 namespace {
 
@@ -208,7 +376,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const float* K = k.data_ptr<float>();
   const float* V = v.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, H * ranges, 1, [&](int64_t begin, int64_t end) {
+  parallel(0, H * ranges, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t h = t / ranges, r = t % ranges;
@@ -324,7 +492,7 @@ at::Tensor int4_row(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   float* Y = y.data_ptr<float>();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  at::parallel_for(0, rows / 64, 1, [&](int64_t b0, int64_t b1) {
+  parallel(0, rows / 64, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* B = P + b * K * 32;
       __m512 res[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -393,7 +561,7 @@ void int4_rows_avx2(const float* X, const uint8_t* P, const uint32_t* SZ, int64_
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   auto widen = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); };  // 8 low bytes -> floats
-  at::parallel_for(0, rows / B, 1, [&](int64_t b0, int64_t b1) {
+  parallel(0, rows / B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = P + b * K * H;
       __m256 res[A];
@@ -452,7 +620,7 @@ void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, co
                                          0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   std::vector<int64_t> first(parts.size() + 1, 0);  // the first block of each part in the shared range
   for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + parts[i].rows / B;
-  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+  parallel(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
     size_t i = 0;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first[i + 1]) ++i;
@@ -521,7 +689,7 @@ void int8_rows_q8_avx2(const int8_t* XQ, const float* XS, const int8_t* W, const
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
   };
-  at::parallel_for(0, rows / 4, 16, [&](int64_t r0, int64_t r1) {
+  parallel(0, rows / 4, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = 4 * r0; r < 4 * r1; r += 4) {
       __m256 acc[4];
       for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
@@ -744,6 +912,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
   m.def("set_row_int8", &set_row_int8, "AVX2: quantize the row to int8 for packed_row (default) or not");
   m.def("set_prefetch", &set_prefetch, "software prefetch in the row products and attention (default) or not");
+  m.def("set_pool", &set_pool, "the decode loops on the yielding pool, workers spinning this many us (0: OpenMP)");
   m.def("set_together", &set_together, "layer_step: q/k/v and gate/up in one parallel region each (default) or not");
   m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");

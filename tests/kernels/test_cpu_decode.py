@@ -155,3 +155,81 @@ def test_packed_row_is_the_product_with_the_dequantized_weight(native, bits, row
     torch.testing.assert_close(layer[0], got + packed.bias, rtol=0, atol=0)
     several = packed(torch.cat([x, x]))  # two rows: torch's kernel (bf16 input)
     assert ((several[0] - layer[0, 0]).norm() / want.norm()).item() < 8e-3
+
+
+def _inputs():
+    from torch import nn
+
+    from localchat.kernels.packed import PackedLinear
+
+    torch.manual_seed(0)
+    linears = [PackedLinear(nn.Linear(576, 960, bias=False), bits) for bits in (4, 8)]
+    return torch.randn(1, 576), linears, (torch.randn(3, 3, 64), torch.randn(3, 1500, 64), torch.randn(3, 1500, 64))
+
+
+def _products(native, inputs):
+    """An int4 and an int8 row product and an attention: the loops the decode step runs on the pool."""
+    from localchat.kernels.packed import GROUP
+
+    x, linears, qkv = inputs
+    return [native.packed_row(x, p.codes, p.scales, p.bits, 960, GROUP, p.block) for p in linears] + \
+        [native.decode_attention(*qkv, 0.125)]
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_pool_gives_openmps_results_bit_for_bit(native, n, threads):
+    """kernels/cpu_decode.cpp's pool (set_pool: spinning, then sleeping workers) splits a loop as at::parallel_for
+    does: the same numbers, at any thread count (a new count makes a new pool)."""
+    torch.set_num_threads(n)
+    try:
+        inputs = _inputs()
+        native.set_pool(0)
+        theirs = _products(native, inputs)
+        native.set_pool(200)
+        for _ in range(3):
+            for a, b in zip(_products(native, inputs), theirs):
+                assert torch.equal(a, b)
+    finally:
+        native.set_pool(200)
+
+
+def test_the_pool_serves_two_callers_and_a_forked_child(native, threads):
+    """Two Python threads at once (the second takes OpenMP while the pool is busy), and a child forked after the
+    pool started (its workers are not there: the child makes its own), all give the same numbers."""
+    import multiprocessing
+    import threading
+
+    torch.set_num_threads(2)
+    inputs = _inputs()
+    want = _products(native, inputs)
+    wrong = []
+
+    def caller():
+        for _ in range(20):
+            if not all(torch.equal(a, b) for a, b in zip(_products(native, inputs), want)):
+                wrong.append(1)
+
+    both = [threading.Thread(target=caller) for _ in range(2)]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in both) and not wrong
+    child = multiprocessing.get_context("fork").Process(target=_child_check, args=(inputs, want))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+
+
+def _child_check(inputs, want) -> None:
+    got = _products(cpu_decode.kernels(), inputs)
+    raise SystemExit(0 if all(torch.equal(a, b) for a, b in zip(got, want)) else 1)
