@@ -182,7 +182,7 @@ void parallel(int64_t b, int64_t e, int64_t grain, const Loop& f) {
     p = pool;
   }
   std::unique_lock<std::mutex> hold(p->busy, std::try_to_lock);
-  if (!hold.owns_lock()) return at::parallel_for(b, e, grain, f);
+  if (!hold.owns_lock() || p->stop.load()) return at::parallel_for(b, e, grain, f);  // busy, or replaced meanwhile
   p->run(b, e, grain, f);
 }
 #else
