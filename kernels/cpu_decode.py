@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+HEADERS = [Path(__file__).with_name("cpu_pool.h")]  # included by SOURCE: part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's threads only with it
 _why: list[str] = []
 
@@ -43,8 +44,9 @@ def build_dir() -> Path:
     """Where this source, torch and CPU build to."""
     from localchat import paths
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
-                         + sys.version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    code = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    key = hashlib.sha256(code + torch.__version__.encode() + _cpu_flags().encode() + sys.version.encode()
+                         + " ".join(FLAGS).encode()).hexdigest()[:16]
     return paths.cache_dir() / "kernels" / f"cpu_decode-{key}"
 
 

@@ -19,6 +19,8 @@ def test_wheel_ships_data_inside_the_package(tmp_path):
     (wheel,) = tmp_path.glob("localchat-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "localchat/kernels/__init__.py" in names
+    native = {f"localchat/kernels/{p.name}" for p in (ROOT / "kernels").iterdir() if p.suffix in (".cpp", ".h")}
+    assert "localchat/kernels/cpu_pool.h" in native and native <= names  # the CPU kernels build from the wheel
     assert "localchat/models/smollm2-135m-instruct.toml" in names
     assert "localchat/models/smollm2-135m-instruct/heads.safetensors" in names  # the shipped heads
     assert "localchat/models/smollm2-135m-instruct/heads.json" in names
