@@ -25,7 +25,6 @@ void set_prefetch(bool on) { prefetch = on; }
 
 #include "cpu_pool.h"  // parallel(): the decode loops' thread pool
 
-
 namespace {
 
 constexpr int64_t kMinUnits = 64;  // units per range at least: smaller ranges cost more to merge than they save
@@ -747,7 +746,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
   m.def("set_row_int8", &set_row_int8, "AVX2: quantize the row to int8 for packed_row (default) or not");
   m.def("set_prefetch", &set_prefetch, "software prefetch in the row products and attention (default) or not");
-  m.def("set_pool", &set_pool, "the decode loops on the yielding pool, workers spinning this many us (0: OpenMP)");
+  m.def("set_pool", &set_pool, "the decode loops on cpu_pool.h's pool, spinning up to this many us before sleeping (0: OpenMP)");
   m.def("set_together", &set_together, "layer_step: q/k/v and gate/up in one parallel region each (default) or not");
   m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");

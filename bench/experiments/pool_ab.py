@@ -1,10 +1,10 @@
-"""A decode step with its parallel loops on the kernels' own pool (kernels/cpu_decode.cpp `set_pool`: threads that
+"""A decode step with its parallel loops on the kernels' own pool (kernels/cpu_pool.h, `set_pool`: threads that
 spin an adaptive window, then sleep) against OpenMP under the app's sleeping wait, alternating in one process, on
 a quiet machine or beside other work (`--load`, as wait_policy.py's). Each round checks that both ways give the
 same logits, bit for bit.
 
-SmolLM2 at the default int4 weights over ~1,180 units (the bench's 7,600-token document cut there); per round 8
-steps each way, the cache cut back after each step so its length stays put.
+SmolLM2 at the default int4 weights over ~1,180 units (wait_policy.py's `steady_step`); per round 8 steps each
+way, the cache cut back after each step so its length stays put.
 
     python bench/experiments/pool_ab.py [--rounds 20] [--spin 200] [--load none|busy3|torch2]
 """
@@ -18,7 +18,7 @@ import time
 
 import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
-from wait_policy import LOADS
+from wait_policy import LOADS, steady_step
 
 
 def main(argv=None) -> None:
@@ -27,27 +27,12 @@ def main(argv=None) -> None:
     p.add_argument("--spin", type=int, default=200, help="the pool's longest spin, microseconds")
     p.add_argument("--load", choices=("none", *LOADS), default="none")
     args = p.parse_args(argv)
-    from localchat.bench.perf import _prompt
-    from localchat.engine.decode_step import DecodeStep
-    from localchat.engine.engine import Engine
-    from localchat.engine.sampling import GenerationSettings
     from localchat.kernels import cpu_decode
 
     native = cpu_decode.kernels()
     if native is None:
         raise SystemExit(f"the CPU decode kernels are not built here: {cpu_decode.reason()}")
-    engine = Engine.load(None, weights="int4")
-    ids = _prompt(engine, 7600, 0)[:1180]
-    cache = engine.new_cache(len(ids), 64)
-    list(engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=1, ignore_eos=True), keep_last=True))
-    step, token, pos = DecodeStep(engine.model, cache), torch.tensor([[100]]), len(ids) + 1
-
-    def one():
-        logits = step.step(token, pos)
-        for layer in cache.layers:
-            layer.n -= 1
-        return logits
-
+    one, cache = steady_step()
     ways = {"pool": args.spin, "OpenMP": 0}
     times: dict[str, list[float]] = {w: [] for w in ways}
     load = [subprocess.Popen(cmd) for cmd in LOADS.get(args.load, [])]

@@ -185,7 +185,7 @@ def threads():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_pool_gives_openmps_results_bit_for_bit(native, n, threads):
-    """kernels/cpu_decode.cpp's pool (set_pool: spinning, then sleeping workers) splits a loop as at::parallel_for
+    """kernels/cpu_pool.h's pool (set_pool: spinning, then sleeping workers) splits a loop as at::parallel_for
     does: the same numbers, at any thread count (a new count makes a new pool)."""
     torch.set_num_threads(n)
     try:
