@@ -210,3 +210,92 @@ def merge_kernel(part_ptr, lse_ptr, out_ptr, parts, D: tl.constexpr, D_PAD: tl.c
     part = tl.load(part_ptr + (hq * parts + idx)[:, None] * D + cols[None, :], mask=m, other=0.0)
     out = tl.sum(w[:, None] * part, axis=0)
     tl.store(out_ptr + hq * D + cols, out.to(out_ptr.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def _dot_block(q1, q2, k1, k2, v1, v2, live, m_i, l_i, acc1, acc2):
+    """One block of units for qattn_dot_kernel: scores and the weighted values as tensor-core products (fp16
+    operands, fp32 sums) over the two halves of the head, then the online softmax's update."""
+    s = tl.dot(q1, tl.trans(k1.to(tl.float16))) + tl.dot(q2, tl.trans(k2.to(tl.float16)))  # [QM, BLOCK]
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    pf = p.to(tl.float16)
+    acc1 = acc1 * alpha[:, None] + tl.dot(pf, v1.to(tl.float16))
+    acc2 = acc2 * alpha[:, None] + tl.dot(pf, v2.to(tl.float16))
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc1, acc2
+
+
+@triton.jit(do_not_specialize=["n", "nt", "per_split"])
+def qattn_dot_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, inv_ptr, out_ptr, lse_ptr, lens_ptr,
+    n, nt, per_split, scaling, q_h,
+    kc_h, kc_u, vc_h, vc_u, ks_h, ks_u, kz_h, kz_u, vs_h, vs_u, vz_h, vz_u, tk_h, tk_u, tv_h, tv_u,
+    Q_PER_KV: tl.constexpr, QM: tl.constexpr, D: tl.constexpr, HALF_PAD: tl.constexpr, BITS: tl.constexpr,
+    G: tl.constexpr, ROTATE: tl.constexpr, BLOCK: tl.constexpr, LENS: tl.constexpr,
+):
+    """qattn_group_kernel with the products on tensor cores: the query heads of a KV head padded to QM (>= 16)
+    rows, each head split in its two RoPE halves (columns lo and hi = lo + d/2, HALF_PAD wide), so the rotation
+    is k1·cos - k2·sin, k2·cos + k1·sin with no second read of the key. The same outputs, in the same places."""
+    if LENS:
+        n = tl.load(lens_ptr).to(tl.int32)
+        nt = tl.load(lens_ptr + 1).to(tl.int32)
+    h = tl.program_id(0)
+    split = tl.program_id(1)
+    programs = tl.num_programs(1)
+    heads = tl.arange(0, QM)
+    hmask = heads < Q_PER_KV
+    hq = h * Q_PER_KV + heads
+    HALF: tl.constexpr = D // 2
+    lo = tl.arange(0, HALF_PAD)
+    cmask = lo < HALF
+    hi = lo + HALF
+    qmask = hmask[:, None] & cmask[None, :]
+    q_rows = q_ptr + hq[:, None] * q_h
+    q1 = (tl.load(q_rows + lo[None, :], mask=qmask, other=0.0).to(tl.float32) * scaling).to(tl.float16)
+    q2 = (tl.load(q_rows + hi[None, :], mask=qmask, other=0.0).to(tl.float32) * scaling).to(tl.float16)
+    if ROTATE:  # cos/sin of the block's offsets j·inv, once per program (the addition rule per block)
+        inv = tl.load(inv_ptr + lo, mask=cmask, other=0.0)
+        step = tl.arange(0, BLOCK).to(tl.float32)[:, None] * inv[None, :]
+        cos_j, sin_j = tl.cos(step), tl.sin(step)
+
+    tail = split == programs - 1
+    q_start = tl.where(tail, 0, split * per_split)
+    q_stop = tl.where(tail, 0, tl.minimum(q_start + per_split, n))
+    t_stop = tl.where(tail, nt, 0)
+    m_i = tl.full([QM], float("-inf"), tl.float32)
+    l_i = tl.zeros([QM], tl.float32)
+    acc1 = tl.zeros([QM, HALF_PAD], tl.float32)
+    acc2 = tl.zeros([QM, HALF_PAD], tl.float32)
+    for first in range(q_start, q_stop, BLOCK):
+        units = first + tl.arange(0, BLOCK)
+        live = units < q_stop
+        umask = live[:, None] & cmask[None, :]
+        k_rows, ks_rows, kz_rows = h * kc_h + units * kc_u, h * ks_h + units * ks_u, h * kz_h + units * kz_u
+        k1 = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, lo, umask, BITS, G)
+        k2 = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, hi, umask, BITS, G)
+        if ROTATE:
+            cos_a, sin_a = _block_angles(first, lo, inv, cos_j, sin_j)
+            k1, k2 = k1 * cos_a - k2 * sin_a, k2 * cos_a + k1 * sin_a
+        v_rows, vs_rows, vz_rows = h * vc_h + units * vc_u, h * vs_h + units * vs_u, h * vz_h + units * vz_u
+        v1 = _rows(vc_ptr, vs_ptr, vz_ptr, v_rows, vs_rows, vz_rows, lo, umask, BITS, G)
+        v2 = _rows(vc_ptr, vs_ptr, vz_ptr, v_rows, vs_rows, vz_rows, hi, umask, BITS, G)
+        m_i, l_i, acc1, acc2 = _dot_block(q1, q2, k1, k2, v1, v2, live, m_i, l_i, acc1, acc2)
+    for first in range(0, t_stop, BLOCK):  # the full-precision tail (keys already at their RoPE positions)
+        units = first + tl.arange(0, BLOCK)
+        live = units < t_stop
+        umask = live[:, None] & cmask[None, :]
+        tk_rows = tk_ptr + h * tk_h + units[:, None] * tk_u
+        tv_rows = tv_ptr + h * tv_h + units[:, None] * tv_u
+        k1 = tl.load(tk_rows + lo[None, :], mask=umask, other=0.0)
+        k2 = tl.load(tk_rows + hi[None, :], mask=umask, other=0.0)
+        v1 = tl.load(tv_rows + lo[None, :], mask=umask, other=0.0)
+        v2 = tl.load(tv_rows + hi[None, :], mask=umask, other=0.0)
+        m_i, l_i, acc1, acc2 = _dot_block(q1, q2, k1, k2, v1, v2, live, m_i, l_i, acc1, acc2)
+    empty = l_i == 0.0
+    rows = hq * programs + split
+    norm = tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(out_ptr + rows[:, None] * D + lo[None, :], acc1 / norm, mask=qmask)
+    tl.store(out_ptr + rows[:, None] * D + hi[None, :], acc2 / norm, mask=qmask)
+    tl.store(lse_ptr + rows, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))), mask=hmask)

@@ -78,7 +78,11 @@ def decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, i
 _KERNELS = None
 TARGET_PROGRAMS = 264  # about two per SM of an H100: enough splits to fill the GPU at short lengths
 MAX_SPLITS = 127
-GROUPED = True  # one program per KV head and split for its query heads (qattn_group_kernel), else per query head
+# The split kernel: "group" one program per KV head and split for its query heads (qattn_group_kernel), "dot" the
+# same with its products on tensor cores (qattn_dot_kernel), "head" one program per query head (qattn_split_kernel)
+WAY = "group"
+WAYS = {"group": "qattn_group_kernel", "dot": "qattn_dot_kernel", "head": "qattn_split_kernel"}
+DOT_BLOCK = 64  # units a block in qattn_dot_kernel
 
 
 def _kernels():
@@ -123,11 +127,13 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
             raise ValueError("decode attention needs tensors contiguous along their last axis")
     d_pad = triton.next_power_of_2(d)
     qp = triton.next_power_of_2(h_q // h)
-    if GROUPED:  # a [query heads, BLOCK, d] product per block: about 8K values
+    if WAY == "group":  # a [query heads, BLOCK, d] product per block: about 8K values
         block = max(16, min(64, 8192 // (qp * d_pad)))
+    elif WAY == "dot":
+        block = DOT_BLOCK
     else:
         block = 64 if d_pad <= 64 else 32
-    splits, per_split = plan_splits(units, h if GROUPED else h_q, block)
+    splits, per_split = plan_splits(units, h_q if WAY == "head" else h, block)
     programs = splits + 1  # the last one per head reads the tail
     parts = torch.empty((h_q, programs, d), device=query.device, dtype=torch.float32)
     lse = torch.empty((h_q, programs), device=query.device, dtype=torch.float32)
@@ -135,16 +141,19 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
     inv = inv_freq.to(query.device, torch.float32) if rotate else lse  # unused when not rotating
     in_memory = isinstance(lengths, torch.Tensor)
     n, nt = (0, 0) if in_memory else lengths
-    kernel, grid, extra = ((k.qattn_group_kernel, (h, programs), {"QP": qp}) if GROUPED
-                           else (k.qattn_split_kernel, (h_q, programs), {}))
+    kernel, grid = getattr(k, WAYS[WAY]), (h_q if WAY == "head" else h, programs)
+    sizes = {"D": d, "D_PAD": d_pad}
+    if WAY == "group":
+        sizes["QP"] = qp
+    elif WAY == "dot":  # tl.dot wants 16 rows at least, and the head's halves a power of two each
+        sizes = {"D": d, "QM": max(16, qp), "HALF_PAD": max(16, triton.next_power_of_2(d // 2))}
     kernel[grid](
         query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse, lengths if in_memory else lse,
         n, nt, per_split, float(scaling), query.stride(1),
         kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2), ks.stride(1), ks.stride(2), kz.stride(1),
         kz.stride(2), vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
         tail_k.stride(1), tail_k.stride(2), tail_v.stride(1), tail_v.stride(2),
-        Q_PER_KV=h_q // h, D=d, D_PAD=d_pad, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=in_memory,
-        **extra,
+        Q_PER_KV=h_q // h, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=in_memory, **sizes,
     )
     out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
     k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs))

@@ -2,7 +2,10 @@
 token (times the layers; on CUDA the GPU's time from a replayed CUDA graph, as inside the captured step), for the int8/int4 cache with and without the in-kernel RoPE, and the plain bf16 cache.
 
     python bench/experiments/gpu_attn.py [--units 16527] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
-        [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--grouped 1,0] [--out OUT.json]
+        [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--ways group,dot,head]
+        [--dot-blocks 32,64] [--out OUT.json]
+`--best FILE --bits 8`: print the fastest row's settings in FILE (this script's --out) for that cache, as
+gpu_decode.py's flags (--attn-way, --attn-block, --attn-programs); nothing when FILE has no such row.
 `--kernels FILE`: also time another version of kernels/_qattn_triton.py (an A/B in one process). Random cache
 contents (speed only). On a CPU the Triton interpreter runs it (a dry run: set TRITON_INTERPRET=1, tiny shapes).
 """
@@ -61,6 +64,22 @@ def timed(fn, repeat: int, dev: str) -> tuple[float, float | None]:
     return wall, (time.perf_counter() - t0) * 1000 / repeat
 
 
+def best_flags(path: str, bits: int) -> str:
+    """gpu_decode.py's flags for the fastest row of the tree's kernels over a `bits` cache (rotated where
+    quantized: the engine's way), or "" when the file is missing or has no such row."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    rows = [r for r in rows if r["kernels"] == "tree" and r["bits"] == bits and r["rotate"] == (bits > 0)
+            and "error" not in r]
+    if not rows:
+        return ""
+    r = min(rows, key=lambda r: r["ms_per_token"])
+    return f"--attn-way {r['way']} --attn-block {r['block'] or qattn.DOT_BLOCK} --attn-programs {r['programs']}"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--units", type=int, default=16527)
@@ -73,10 +92,17 @@ def main(argv=None) -> None:
     p.add_argument("--kernels", nargs="*", default=[])
     p.add_argument("--programs", default=str(qattn.TARGET_PROGRAMS),
                    help="comma-separated values of qattn.TARGET_PROGRAMS to time (the split planner's target)")
-    p.add_argument("--grouped", default="1,0",
-                   help="qattn.GROUPED values to time: 1 one program per KV head and split, 0 per query head")
+    p.add_argument("--ways", default=",".join(qattn.WAYS),
+                   help="qattn.WAY values to time: group (one program per KV head and split), dot (the same on tensor "
+                        "cores), head (one program per query head)")
+    p.add_argument("--dot-blocks", default=str(qattn.DOT_BLOCK), help="qattn.DOT_BLOCK values to time (the dot way)")
     p.add_argument("--out")
+    p.add_argument("--best", metavar="FILE", help="print the fastest settings in FILE for --bits, and stop")
+    p.add_argument("--bits", type=int, default=8)
     args = p.parse_args(argv)
+    if args.best:
+        print(best_flags(args.best, args.bits))
+        return
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     h, hq, d, n = args.kv_heads, args.q_heads, args.head_dim, args.units
     q = torch.randn(1, hq, 1, d, device=dev, dtype=torch.bfloat16)
@@ -89,30 +115,39 @@ def main(argv=None) -> None:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         versions[path] = mod
-    rows, defaults = [], (qattn.TARGET_PROGRAMS, qattn.GROUPED)
+    rows, defaults = [], (qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK)
+    configs = [(way, int(b), int(p)) for way in args.ways.split(",")
+               for b in (args.dot_blocks.split(",") if way == "dot" else [qattn.DOT_BLOCK])
+               for p in args.programs.split(",")]
     for bits, rotate in ((8, True), (8, False), (4, True), (0, False)):
         main_ = cache(h, n, d, bits, dev)
         tails = (tk, tv) if bits else (None, None)
         size = sum(t.numel() * t.element_size() for t in main_.values())
         first = None
         for name, mod in versions.items():
-            for grouped, programs in [(g == "1", int(p)) for g in args.grouped.split(",")
-                                      for p in args.programs.split(",")]:
-                if grouped and not hasattr(mod, "qattn_group_kernel"):
-                    continue
-                qattn._KERNELS, qattn.TARGET_PROGRAMS, qattn.GROUPED = mod, programs, grouped
+            for way, block, programs in configs:
+                if not hasattr(mod, qattn.WAYS[way]):
+                    continue  # an older kernels file without this way
+                qattn._KERNELS, qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = mod, way, block, programs
                 call = lambda: graph_attn.attention_triton(q, main_, *tails, lens, bits, group_size(d), d**-0.5,  # noqa: E731
                                                            inv if rotate else None)
-                out = call().float()
+                row = {"kernels": name, "way": way, "block": block if way == "dot" else None,
+                       "programs": programs, "bits": bits, "rotate": rotate}
+                try:
+                    out = call().float()
+                    wall, gpu = timed(call, args.repeat, dev)
+                except Exception as exc:  # a kernel that does not compile or run here: its row says why
+                    rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
                 first = out if first is None else first
-                wall, gpu = timed(call, args.repeat, dev)
-                rows.append({"kernels": name, "grouped": grouped, "programs": programs, "bits": bits, "rotate": rotate,
-                             "ms_per_call": round(wall, 4), "gpu_ms_per_call": None if gpu is None else round(gpu, 4),
+                rows.append({**row, "ms_per_call": round(wall, 4),
+                             "gpu_ms_per_call": None if gpu is None else round(gpu, 4),
                              "ms_per_token": round((gpu or wall) * args.layers, 3),
                              "cache_gb_per_s": round(size / (gpu or wall) / 1e6, 1),
                              "max_diff_from_first": float((out - first).abs().max())})
                 print(json.dumps(rows[-1]), flush=True)
-    qattn.TARGET_PROGRAMS, qattn.GROUPED = defaults
+    qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK = defaults
     qattn._KERNELS = versions["tree"]
     result = {"rows": rows, "setup": vars(args), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
               "torch": torch.__version__}

@@ -12,6 +12,7 @@ profiler over `--profile-tokens` steps; for the graph also the time of back-to-b
 per token. On a CPU (the dry run) the graph way is not taken and its row says so.
 
     python bench/experiments/gpu_decode.py --model DIR --weights nf4,bf16,int8 --out OUT
+        [--attn-way dot --attn-block 64 --attn-programs 1056]   # the split kernel's settings (kernels/qattn.py)
 Writes OUT/gpu_decode.json and OUT/gpu_decode.md.
 """
 
@@ -33,6 +34,7 @@ from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
+from localchat.kernels import qattn
 
 WAYS = ("graph", "graph-unfused", "eager step", "forward")
 TOP = 8  # the kernels named per row: the most GPU time per token
@@ -101,6 +103,15 @@ def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
 
 
 def measure(args) -> dict:
+    defaults = qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS
+    qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = args.attn_way, args.attn_block, args.attn_programs
+    try:
+        return _measure(args)
+    finally:
+        qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = defaults
+
+
+def _measure(args) -> dict:
     rows = []
     for weights in args.weights.split(","):
         engine = Engine.load(None if args.model == "default" else args.model, weights=None if weights in ("", "as-stored") else weights, kv=args.kv)
@@ -163,7 +174,9 @@ def markdown(result: dict) -> str:
     lines = [f"# Decode by way and weights: {Path(s['model']).name} on {result['device']} (random weights, speed only)",
              "", f"Command: `{s['command']}` (commit {result['commit']})", "",
              f"LOCRET b={s['budget']}, --kv {s['kv']}, random heads d_R={s['d_r']}, {s['length']:,} random tokens "
-             f"read once, then {s['tokens']} greedy tokens on a copy of the cache per way.", "",
+             f"read once, then {s['tokens']} greedy tokens on a copy of the cache per way. Decode attention: the "
+             f"{s['attn_way']} split kernel, {s['attn_programs']} programs targeted"
+             + (f", blocks of {s['attn_block']} units." if s["attn_way"] == "dot" else "."), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |" for r in result["rows"]]
     lines += ["", "Kernels with the most GPU time per token:", ""]
@@ -183,6 +196,9 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--profile-tokens", type=int, default=16)
     p.add_argument("--d-r", type=int, default=1024)
+    p.add_argument("--attn-way", default=qattn.WAY, choices=list(qattn.WAYS), help="the split kernel (qattn.WAY)")
+    p.add_argument("--attn-block", type=int, default=qattn.DOT_BLOCK, help="units a block, the dot way's")
+    p.add_argument("--attn-programs", type=int, default=qattn.TARGET_PROGRAMS, help="the split planner's target")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.command = "python bench/experiments/gpu_decode.py " + " ".join(argv or __import__("sys").argv[1:])

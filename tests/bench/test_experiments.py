@@ -75,17 +75,24 @@ def test_internals_the_experiments_reach_exist(module: str, name: str) -> None:
 
 
 def test_gpu_decode_runs_every_way_on_a_cpu(tmp_path: Path, monkeypatch) -> None:
-    """The GPU's decode script, rehearsed on a tiny model: a row per way, the graph's saying it was not taken."""
+    """The GPU's decode script, rehearsed on a tiny model: a row per way, the graph's saying it was not taken; the
+    split kernel's settings recorded and given back."""
     import json
 
     from tiny import save_tiny
+
+    from localchat.kernels import qattn
 
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
     model = save_tiny(tmp_path / "tiny")
     script = load(EXPERIMENTS / "gpu_decode.py")
     script.main(["--model", str(model), "--weights", "fp32", "--kv", "int8", "--budget", "48", "--length", "300",
-                 "--tokens", "6", "--profile-tokens", "2", "--out", str(tmp_path / "out")])
-    rows = json.loads((tmp_path / "out" / "gpu_decode.json").read_text())["rows"]
+                 "--tokens", "6", "--profile-tokens", "2", "--attn-way", "dot", "--attn-programs", "1056",
+                 "--out", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "gpu_decode.json").read_text())
+    rows = result["rows"]
+    assert (result["setup"]["attn_way"], result["setup"]["attn_programs"]) == ("dot", 1056)
+    assert (qattn.WAY, qattn.TARGET_PROGRAMS) == ("group", 264)
     assert [r["way"] for r in rows] == ["graph (not taken: not CUDA)", "graph-unfused (not taken: not CUDA)",
                                         "eager step", "forward"]
     assert all(r["decode_tok_s"] > 0 and r["kv_units_per_head"] >= 48 for r in rows)
@@ -121,9 +128,17 @@ def test_gpu_attn_times_every_cache_and_kernel_version(tmp_path: Path, monkeypat
     kernel_file = Path(qattn.__file__).with_name("_qattn_triton.py")
     script.main(["--units", "40", "--tail", "3", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
                  "--layers", "2", "--repeat", "1", "--kernels", str(kernel_file), "--programs", "4,64",
-                 "--grouped", "1", "--out", str(tmp_path / "attn.json")])
+                 "--ways", "group,dot", "--dot-blocks", "16,32", "--out", str(tmp_path / "attn.json")])
     rows = json.loads((tmp_path / "attn.json").read_text())["rows"]
-    assert len(rows) == 4 * 2 * 2 and {r["programs"] for r in rows} == {4, 64}
-    assert {r["grouped"] for r in rows} == {True} and {r["kernels"] for r in rows} == {"tree", str(kernel_file)}
+    assert len(rows) == 4 * 2 * (1 + 2) * 2 and {r["programs"] for r in rows} == {4, 64}
+    assert {(r["way"], r["block"]) for r in rows} == {("group", None), ("dot", 16), ("dot", 32)}
+    assert {r["kernels"] for r in rows} == {"tree", str(kernel_file)}
     assert all(r["max_diff_from_first"] < 1e-2 and r["ms_per_call"] > 0 for r in rows)
-    assert qattn.TARGET_PROGRAMS == 264 and qattn.GROUPED and qattn._KERNELS.__name__.endswith("_qattn_triton")
+    assert (qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK) == (264, "group", 64)
+    assert qattn._KERNELS.__name__.endswith("_qattn_triton")
+    # gpu_decode's flags for the fastest row of the tree's kernels per cache; nothing without the file
+    fastest = min((r for r in rows if r["kernels"] == "tree" and r["bits"] == 8 and r["rotate"]),
+                  key=lambda r: r["ms_per_token"])
+    flags = script.best_flags(str(tmp_path / "attn.json"), 8).split()
+    assert flags[1::2] == [fastest["way"], str(fastest["block"] or 64), str(fastest["programs"])]
+    assert script.best_flags(str(tmp_path / "missing.json"), 8) == ""

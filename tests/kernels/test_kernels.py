@@ -42,14 +42,17 @@ QATTN_CASES = [
 ]
 
 
-# the per-query-head kernel (kept for the GPU's A/B) on the smaller cases; the default kernel on all
-KERNEL_CASES = [(*case, grouped) for case in QATTN_CASES for grouped in (True, False) if grouped or case[0] < 32]
+# the per-query-head kernel (kept for the GPU's A/B) on the smaller cases; the grouped kernels on all
+KERNEL_CASES = [(*case, way) for case in QATTN_CASES for way in qattn.WAYS if way != "head" or case[0] < 32]
+# the tensor-core kernel multiplies fp16 operands (11 bits), the others fp32
+WAY_TOLERANCE = {"group": 1e-4, "head": 1e-4, "dot": 5e-3}
 
 
-@pytest.mark.parametrize("hq,h,d,nq,nt,bits,rotate,grouped", KERNEL_CASES)
-def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate, grouped, monkeypatch):
-    """Both split kernels (one program per KV head for its query heads, or per query head) equal the twin."""
-    monkeypatch.setattr(qattn, "GROUPED", grouped)
+@pytest.mark.parametrize("hq,h,d,nq,nt,bits,rotate,way", KERNEL_CASES)
+def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate, way, monkeypatch):
+    """Every split kernel (one program per KV head for its query heads, with or without tensor cores, or per
+    query head) equals the twin."""
+    monkeypatch.setattr(qattn, "WAY", way)
     quant = quantized(h, nq, d, bits, seed=nq)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, hq, 1, d, generator=g).to(DEV)
@@ -58,7 +61,7 @@ def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate, gro
     args = (q, quant, tk, tv, bits, group_size(d), d**-0.5, inv)
     got, want = qattn.decode_attention_triton(*args), qattn.decode_attention_torch(*args)
     assert got.shape == want.shape == (1, 1, hq, d)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, atol=WAY_TOLERANCE[way], rtol=WAY_TOLERANCE[way])
 
 
 # (query heads, KV heads, head_dim, capacity, held, tail capacity, tail held, bits, rotate)
@@ -70,13 +73,15 @@ GRAPH_CASES = [
 ]
 
 
+@pytest.mark.parametrize("way", qattn.WAYS)
 @pytest.mark.parametrize("hq,h,d,cap,n,tcap,nt,bits,rotate", GRAPH_CASES)
-def test_graph_attention_reads_only_the_units_held(hq, h, d, cap, n, tcap, nt, bits, rotate):
+def test_graph_attention_reads_only_the_units_held(hq, h, d, cap, n, tcap, nt, bits, rotate, way, monkeypatch):
     """kernels/graph_attn.py (a captured decode step's attention: buffers at capacity, lengths in device memory):
     the Triton kernel equals its twin, both equal attention over the held units alone, and whatever lies past the
     lengths (NaN here) is never read."""
     from localchat.kernels import graph_attn
 
+    monkeypatch.setattr(qattn, "WAY", way)
     g = torch.Generator().manual_seed(cap + n)
     q = torch.randn(1, hq, 1, d, generator=g).to(DEV)
     if bits:
@@ -99,7 +104,7 @@ def test_graph_attention_reads_only_the_units_held(hq, h, d, cap, n, tcap, nt, b
         want = torch.nn.functional.scaled_dot_product_attention(grouped, main["k"][:, :, :n], main["v"][:, :, :n],
                                                                 scale=d**-0.5).reshape(1, 1, hq, d)
     assert torch.isfinite(got).all() and torch.isfinite(twin).all()
-    torch.testing.assert_close(got, twin, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, twin, atol=WAY_TOLERANCE[way], rtol=WAY_TOLERANCE[way])
     torch.testing.assert_close(twin, want, atol=1e-5, rtol=1e-5)
 
 

@@ -24,10 +24,12 @@
 #   step 4  the 8B at 24 GB, --policy full: the first length in LENGTHS that fails (one-line refusal or OOM)
 #   step 5  the captured decode step's tests on CUDA (graph replay = eager body; the kernels' tests)
 #   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay (fused ops and not) vs eager step vs forward
-#           with nf4 weights (bench/experiments/gpu_decode.py); the same for SmolLM2-135M (b=1024, bf16 cache)
+#           with nf4 weights (bench/experiments/gpu_decode.py); the same for SmolLM2-135M (b=1024, bf16 cache); with
+#           step 8's fastest split kernel for the cache (gpu_attn.py --best), the default where step 8 did not run
 #   step 9  the same through the graph with bf16 and int8 (LLM.int8) weights (the planner's speed table)
-#   step 8  decode attention alone at the 8B's and SmolLM2's shapes (bench/experiments/gpu_attn.py; KERNELS: other
-#           versions of kernels/_qattn_triton.py to time beside the tree's, files in the tree)
+#   step 8  decode attention alone at the 8B's and SmolLM2's shapes (bench/experiments/gpu_attn.py: the split
+#           kernel's ways, split targets and the dot way's blocks; KERNELS: other versions of
+#           kernels/_qattn_triton.py to time beside the tree's, files in the tree)
 #   step 7  where a 16K (LEN7) LOCRET prefill's GPU time goes, 8B nf4 at b=16,384 (bench/experiments/gpu_prefill_profile.py)
 
 set -o pipefail
@@ -102,17 +104,20 @@ for step in $STEPS; do case $step in
 5) run "$OUT/tests-graph-step.txt" $PY -m pytest -q -p no:cacheprovider -m "not model and not slow" tests/engine/test_graph_step.py \
        tests/kernels/test_kernels.py tests/kernels/test_fused.py ;;
 6) GD="$PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128"
+   BEST="$PY bench/experiments/gpu_attn.py --best"  # step 8's fastest split kernel per cache, when it ran
    for m in $MODELS; do  # the 8B, and Phi-3-mini when MODELS names it
        run "$OUT/decode-$m-nf4.txt" $GD --model "$MODELS_DIR/$m" --weights nf4 --budget 16384 --kv int8 \
-           --out "$OUT/decode-$m-nf4"
+           $($BEST "$OUT/attn-$BIG.json" --bits 8) --out "$OUT/decode-$m-nf4"
    done
    run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
-       --out "$OUT/decode-$SMALL" ;;
-8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
+       $($BEST "$OUT/attn-$SMALL.json" --bits 0) --out "$OUT/decode-$SMALL" ;;
+8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 --dot-blocks 32,64 \
+       ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
    run "$OUT/attn-$SMALL.txt" $PY bench/experiments/gpu_attn.py --units 1167 --q-heads 9 --kv-heads 3 --head-dim 64 \
-       --layers 30 --programs 264,528 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$SMALL.json" ;;
+       --layers 30 --programs 264,528 --dot-blocks 32,64 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$SMALL.json" ;;
 9) run "$OUT/decode-$BIG-bf16-int8.txt" $PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128 \
-       --model "$MODELS_DIR/$BIG" --weights bf16,int8 --ways graph --budget 16384 --kv int8 --out "$OUT/decode-$BIG-bf16-int8" ;;
+       --model "$MODELS_DIR/$BIG" --weights bf16,int8 --ways graph --budget 16384 --kv int8 \
+       $($PY bench/experiments/gpu_attn.py --best "$OUT/attn-$BIG.json" --bits 8) --out "$OUT/decode-$BIG-bf16-int8" ;;
 7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$MODELS_DIR/$BIG" \
        --weights nf4 --kv int8 --budget 16384 --length ${LEN7:-16384} --out "$OUT/prefill-profile-$BIG" ;;
 esac; done
