@@ -6,7 +6,9 @@ Inputs (the layout of engine/qcache.py; H = KV heads, Hq = query heads, d = head
   inv_freq `[d/2]` or None: when given, quantized key i is stored un-rotated and sits at RoPE position i (its slot).
 Output `[1, 1, Hq, d]` in the query's dtype (transformers' attention-function layout).
 
-Triton: a flash-decoding kernel (two launches per layer). Program (query head, split) walks its split of
+Triton: a flash-decoding kernel (two launches per layer), in three ways (`WAY`, below): per query head as
+described here, per KV head for all its query heads, or the same with the products on tensor cores. Program
+(query head, split) walks its split of
 the nq units in blocks: unpack codes, scale + zero per group, score against the query rotated by the unit's
 slot (q·R(i)k = (R(-i)q)·k, cos/sin computed in the kernel), online softmax, accumulate values; one more
 program per head does the full-precision tail. Each writes a partial output and its log-sum-exp; a second

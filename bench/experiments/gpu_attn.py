@@ -3,7 +3,7 @@ token (times the layers; on CUDA the GPU's time from a replayed CUDA graph, as i
 
     python bench/experiments/gpu_attn.py [--units 16527] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
         [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--ways group,dot,head]
-        [--dot-blocks 32,64] [--out OUT.json]
+        [--dot-blocks 32,64] [--caches 8r,8,4r,0] [--out OUT.json]
 `--best FILE --bits 8`: print the fastest row's settings in FILE (this script's --out) for that cache, as
 gpu_decode.py's flags (--attn-way, --attn-block, --attn-programs); nothing when FILE has no such row.
 `--kernels FILE`: also time another version of kernels/_qattn_triton.py (an A/B in one process). Random cache
@@ -96,6 +96,8 @@ def main(argv=None) -> None:
                    help="qattn.WAY values to time: group (one program per KV head and split), dot (the same on tensor "
                         "cores), head (one program per query head)")
     p.add_argument("--dot-blocks", default=str(qattn.DOT_BLOCK), help="qattn.DOT_BLOCK values to time (the dot way)")
+    p.add_argument("--caches", default="8r,8,4r,0",
+                   help="caches to time: bits (8, 4, 0 = bf16), r = keys rotated in the kernel (the engine's way)")
     p.add_argument("--out")
     p.add_argument("--best", metavar="FILE", help="print the fastest settings in FILE for --bits, and stop")
     p.add_argument("--bits", type=int, default=8)
@@ -119,7 +121,7 @@ def main(argv=None) -> None:
     configs = [(way, int(b), int(p)) for way in args.ways.split(",")
                for b in (args.dot_blocks.split(",") if way == "dot" else [qattn.DOT_BLOCK])
                for p in args.programs.split(",")]
-    for bits, rotate in ((8, True), (8, False), (4, True), (0, False)):
+    for bits, rotate in [(int(c.rstrip("r")), c.endswith("r")) for c in args.caches.split(",")]:
         main_ = cache(h, n, d, bits, dev)
         tails = (tk, tv) if bits else (None, None)
         size = sum(t.numel() * t.element_size() for t in main_.values())

@@ -198,15 +198,19 @@ class GraphStep:
                 x, h = fused.add_rms_norm(pending, h, layer.input_layernorm)
             else:
                 x = layer.input_layernorm(h)
+            joined = None  # q/k/v side by side, where one product gave them
             if hasattr(attn, "qkv_proj"):  # Phi-3 (called past its hook, as the others)
-                q, k, v = attn.qkv_proj.forward(x).split(self.qkv_sizes, dim=-1)
+                joined = attn.qkv_proj.forward(x)
             elif self.qkv[i] is not None:
-                q, k, v = torch.nn.functional.linear(x, *self.qkv[i]).split(self.qkv_sizes, dim=-1)
+                joined = torch.nn.functional.linear(x, *self.qkv[i])
+            if joined is not None:
+                q, k, v = joined.split(self.qkv_sizes, dim=-1)
             else:
                 q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
             score = None  # the new unit's score, from its pre-RoPE q/k/v (LOCRET's retaining heads)
             if self.heads is not None:
-                score = self.heads.layers[i](torch.cat((q[0], k[0], v[0]), dim=-1).to(self.heads_dtype))
+                qkv = joined[0] if joined is not None else torch.cat((q[0], k[0], v[0]), dim=-1)
+                score = self.heads.layers[i](qkv.to(self.heads_dtype))
             q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [1, H, 1, d]
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)

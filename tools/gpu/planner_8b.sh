@@ -112,9 +112,10 @@ for step in $STEPS; do case $step in
    run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
        $($BEST "$OUT/attn-$SMALL.json" --bits 0) --out "$OUT/decode-$SMALL" ;;
 8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 --dot-blocks 32,64 \
-       ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
+       --caches 8r,0 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
    run "$OUT/attn-$SMALL.txt" $PY bench/experiments/gpu_attn.py --units 1167 --q-heads 9 --kv-heads 3 --head-dim 64 \
-       --layers 30 --programs 264,528 --dot-blocks 32,64 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$SMALL.json" ;;
+       --layers 30 --programs 264,528 --dot-blocks 32,64 --caches 0 ${KERNELS:+--kernels $KERNELS} \
+       --out "$OUT/attn-$SMALL.json" ;;
 9) run "$OUT/decode-$BIG-bf16-int8.txt" $PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128 \
        --model "$MODELS_DIR/$BIG" --weights bf16,int8 --ways graph --budget 16384 --kv int8 \
        $($PY bench/experiments/gpu_attn.py --best "$OUT/attn-$BIG.json" --bits 8) --out "$OUT/decode-$BIG-bf16-int8" ;;
