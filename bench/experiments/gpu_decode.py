@@ -7,9 +7,11 @@ speed does not depend on their weights) reads `--length` random tokens once; the
   graph-unfused  the same without kernels/fused.py's kernels (the norms, RoPE and SiLU product op by op)
   eager step   the same model without transformers' per-call machinery, op by op (engine/decode_step.py)
   forward      transformers' forward at every step
-Per row: decode tokens/s, and the GPU's busy share of a step: the GPU time of a step (kernel time from the
-profiler over `--profile-tokens` steps; for the graph also the time of back-to-back replays) over the wall time
-per token. On a CPU (the dry run) the graph way is not taken and its row says so.
+Per row: decode tokens/s over the answer, and steady (from the second token on: a graph way's first step on a copy
+of the cache captures the graph, 0.1-0.2 s), and the GPU's busy share of a step: the GPU time of a step (kernel
+time from the profiler over `--profile-tokens` steps after the second token; for the graph also the time of
+back-to-back replays, over the steady time per token) over the wall time per token. On a CPU (the dry
+run) the graph way is not taken and its row says so.
 
     python bench/experiments/gpu_decode.py --model DIR --weights nf4,bf16,int8 --out OUT
         [--attn-way dot --attn-block 64 --attn-programs 1056]   # the split kernel's settings (kernels/qattn.py)
@@ -28,7 +30,7 @@ import torch
 
 from localchat.bench.perf import _sync
 from localchat.engine.engine import Engine
-from localchat.engine.events import Done, Error, Notice
+from localchat.engine.events import Done, Error, Notice, Token
 from localchat.engine.graph_step import GraphStep
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
@@ -40,8 +42,11 @@ WAYS = ("graph", "graph-unfused", "eager step", "forward")
 TOP = 8  # the kernels named per row: the most GPU time per token
 
 
-def _done(events, notes: list | None = None) -> Done:
+def _done(events, notes: list | None = None, times: list | None = None) -> Done:
+    """The Done event; the engine's notices into `notes`, and when each token came into `times`."""
     for event in events:
+        if isinstance(event, Token) and times is not None:
+            times.append(time.perf_counter())
         if isinstance(event, Notice) and notes is not None:
             notes.append(event.message)
         if isinstance(event, Error):
@@ -64,26 +69,45 @@ def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
     return torch.randint(vocab // 8, vocab // 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None) -> tuple[Done, object]:
+def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None, times=None) -> tuple[Done, object]:
     """`tokens` greedy tokens after a 16-token follow-up on a copy of `cache`; (Done, the copy)."""
     copy = cache.clone()
     follow = _tokens(engine, 16, seed)
     settings = GenerationSettings(max_new_tokens=tokens, ignore_eos=True)
-    return _done(engine.continue_on(copy, follow, at, settings), notes), copy
+    return _done(engine.continue_on(copy, follow, at, settings), notes, times), copy
+
+
+def steady_rate(times: list[float]) -> float | None:
+    """Tokens/s from the second token to the last: the steps after the first, which on a copy of the cache
+    also captures the graph (the first token comes from the read's logits, the second after that step)."""
+    if len(times) < 3 or times[-1] <= times[1]:
+        return None
+    return (len(times) - 2) / (times[-1] - times[1])
 
 
 def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | None, str | None]:
     """(GPU kernel time per decoded token over `tokens` steps, from the profiler; the TOP kernels by that time),
-    both None off CUDA."""
+    both None off CUDA. The profiler starts at the second token: the first step on a copy of the cache (a graph
+    way's capture, its eager body included) is not counted."""
     if engine.device.type != "cuda":
         return None, None
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        done, _ = _decode(engine, cache, at, tokens, seed=1)
-        _sync(engine.device)
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    settings = GenerationSettings(max_new_tokens=tokens + 2, ignore_eos=True)
+    seen = 0
+    for event in engine.continue_on(cache.clone(), _tokens(engine, 16, 1), at, settings):
+        if isinstance(event, Error):
+            raise SystemExit(f"error: {event.message}")
+        if isinstance(event, Token):
+            seen += 1
+            if seen == 2:
+                _sync(engine.device)
+                prof.start()
+    _sync(engine.device)
+    prof.stop()
     events = prof.key_averages()
-    per_token = 1000 * max(done.new_tokens, 1)
+    per_token = 1000 * max(seen - 2, 1)  # the steps after the second token
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:TOP]
     named = "; ".join(f"{e.key[:60]} {e.self_device_time_total / per_token:.3f} ms x{e.count}" for e in top)
     return sum(e.self_device_time_total for e in events) / per_token, named
@@ -130,7 +154,9 @@ def _measure(args) -> dict:
             _way(engine, way)
             notes = []  # the engine's one line when it decodes eagerly
             _decode(engine, cache, at, 4, seed=2, notes=notes)  # warm-up (a capture, Triton compiles)
-            done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes)
+            times = []
+            done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes, times=times)
+            steady = steady_rate(times)
             took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
             replay = _replay_ms(engine) if way.startswith("graph") else None
@@ -138,10 +164,11 @@ def _measure(args) -> dict:
             rows.append({
                 "weights": weights, "way": way if not way.startswith("graph") or took else f"{way} (not taken: {'; '.join(notes) or 'not CUDA'})",
                 "decode_tok_s": round(done.decode_tps, 1), "ms_per_token": round(ms_token, 3),
+                "steady_tok_s": None if steady is None else round(steady, 1),
                 "gpu_kernel_ms_per_token": None if kernel is None else round(kernel, 3),
-                "gpu_busy_share": None if kernel is None else round(min(kernel / ms_token, 1.0), 3),
+                "gpu_busy_share": None if kernel is None else round(min(kernel * (steady or 1e3 / ms_token) / 1e3, 1.0), 3),
                 "replay_ms": None if replay is None else round(replay, 3),
-                "replay_busy_share": None if replay is None else round(min(replay / ms_token, 1.0), 3),
+                "replay_busy_share": None if replay is None else round(min(replay * (steady or 1e3 / ms_token) / 1e3, 1.0), 3),
                 "prefill_tok_s": round(read.prefill_tps, 1), "kv_units_per_head": done.kv_tokens,
                 "peak_gib_after_read": None if peak is None else round(peak, 2),
                 "top_kernels": top,
@@ -169,7 +196,7 @@ def _commit() -> str:
 
 def markdown(result: dict) -> str:
     s = result["setup"]
-    cols = ["weights", "way", "decode_tok_s", "ms_per_token", "gpu_kernel_ms_per_token", "gpu_busy_share",
+    cols = ["weights", "way", "decode_tok_s", "steady_tok_s", "ms_per_token", "gpu_kernel_ms_per_token", "gpu_busy_share",
             "replay_ms", "replay_busy_share", "prefill_tok_s", "kv_units_per_head", "peak_gib_after_read"]
     lines = [f"# Decode by way and weights: {Path(s['model']).name} on {result['device']} (random weights, speed only)",
              "", f"Command: `{s['command']}` (commit {result['commit']})", "",

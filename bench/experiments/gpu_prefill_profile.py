@@ -102,7 +102,12 @@ def main(argv=None) -> None:
     from localchat.engine.heads import RetainingHeads
     from localchat.engine.policies import make_policy
 
-    engine = Engine.load(args.model, weights=args.weights, kv=args.kv)
+    from localchat.errors import UserError
+
+    try:
+        engine = Engine.load(args.model, weights=args.weights, kv=args.kv)
+    except UserError as exc:
+        raise SystemExit(f"error: {exc}") from None
     engine.set_policy(make_policy("locret", budget=args.budget, heads=RetainingHeads.random(engine.model, d_r=args.d_r)),
                       "compact")
     if args.chunk:

@@ -12,7 +12,7 @@
 # phi-3-mini-128k-instruct" (configs in tests/data/configs); MODELS_DIR (default OUT/models); TOKENIZER (a folder: the random models' tokenizer,
 # where the default model is not installed); CAPS="24 12 8" (GB, LOCALCHAT_GPU_MEMORY_GB: the
 # allocator is capped there to stand for an RTX 4090 / 4070 / 4060); LENGTHS="32768 65536 98304 131072" (full
-# attention's failure search); PY (default python3).
+# attention's failure search); LEN3, LEN6, LEN7 (the lengths of steps 3, 6, 7); BIG; PY (default python3).
 #   step 0  environment, nvidia-smi, versions
 #   step 1  `localchat bench random-model` per model and SmolLM2-135M (bf16, all layers; ~2-3 min and 16 GB of disk
 #           for the 8B)
@@ -44,7 +44,7 @@ MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
 CAPS=${CAPS:-"24 12 8"}
 LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
 MODELS_DIR=${MODELS_DIR:-$OUT/models}  # the random models (16 GB for the 8B): outside OUT where OUT travels back
-BIG=llama-3.1-8b-instruct
+BIG=${BIG:-llama-3.1-8b-instruct}  # the model of steps 3, 4, 7, 8, 9 (a small one for a rehearsal on a CPU)
 SMALL=smollm2-135m-instruct
 LC="$PY -m localchat"
 export LOCALCHAT_CONFIG_DIR=${LOCALCHAT_CONFIG_DIR:-$OUT/config}  # no user profile interferes
@@ -89,7 +89,7 @@ for step in $STEPS; do case $step in
        run "$OUT/plan-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$MODELS_DIR/$m" --heads random plan --json
        run "$OUT/verify-$m-${cap}gb.json" env LOCALCHAT_GPU_MEMORY_GB=$cap $LC --model "$MODELS_DIR/$m" --heads random plan --verify --json
    done; done ;;
-3) f=$(doc 131072)
+3) f=$(doc ${LEN3:-131072})
    [ "$DRY" = 1 ] || { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 200 > "$OUT/gpu-busy-128k.csv" & }
    SMI=$!
    run "$OUT/read-128k-$BIG-rtx4090.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --profile rtx4090 --model "$MODELS_DIR/$BIG" \
