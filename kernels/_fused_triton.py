@@ -59,11 +59,39 @@ def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def heads_score_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, n_in, d_r, H: tl.constexpr, H_PAD: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """LOCRET's retaining head for one row, BLOCK_R of its d_R hidden units per program: h = silu(fc1·x), rounded
+    where the eager ops round (to the weights' dtype), then h's share of fc2·h into this program's row of the
+    partial sums `[programs, H]` fp32 (write_unit_kernel adds them up)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = r < d_r
+    dt = w1_ptr.dtype.element_ty
+    hid = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < n_in
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(dt).to(tl.float32)
+        w = tl.load(w1_ptr + r[:, None] * n_in + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        hid += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    hid = hid.to(dt).to(tl.float32)
+    hid = (hid / (1.0 + tl.exp(-hid))).to(dt).to(tl.float32)
+    heads = tl.arange(0, H_PAD)
+    hm = heads < H
+    w2 = tl.load(w2_ptr + heads[:, None] * d_r + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    part = tl.sum(w2.to(tl.float32) * hid[None, :], axis=1)
+    tl.store(part_ptr + tl.program_id(0) * H + heads, part, mask=hm)
+
+
+@triton.jit
 def write_unit_kernel(kv_slot_ptr, slot_ptr, true_ptr, k_ptr, v_ptr, score_ptr, kd_ptr, vd_ptr, sd_ptr, pd_ptr, rd_ptr,
-                      k_h, v_h, kd_h, kd_u, vd_h, vd_u, sd_h, pd_h, rd_h, rd_u,
-                      D: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_REST: tl.constexpr):
+                      k_h, v_h, kd_h, kd_u, vd_h, vd_u, sd_h, pd_h, rd_h, rd_u, parts,
+                      D: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_REST: tl.constexpr,
+                      H: tl.constexpr, P_PAD: tl.constexpr, ROUND: tl.constexpr):
     """One KV head's new unit: K and V at the K/V slot, its score (0 without one) and true position at the unit
-    slot, and its key remainder zeroed (keys come in exact)."""
+    slot, and its key remainder zeroed (keys come in exact). The score is the sum of `parts` rows of `[parts, H]`
+    (one row: the retaining head's output; more: heads_score_kernel's partial sums), rounded to bf16 (ROUND 1) or
+    fp16 (2) as the head's own output would be."""
     h = tl.program_id(0)
     cols = tl.arange(0, D_PAD)
     m = cols < D
@@ -71,7 +99,14 @@ def write_unit_kernel(kv_slot_ptr, slot_ptr, true_ptr, k_ptr, v_ptr, score_ptr, 
     slot = tl.load(slot_ptr)
     tl.store(kd_ptr + h * kd_h + kv_slot * kd_u + cols, tl.load(k_ptr + h * k_h + cols, mask=m), mask=m)
     tl.store(vd_ptr + h * vd_h + kv_slot * vd_u + cols, tl.load(v_ptr + h * v_h + cols, mask=m), mask=m)
-    score = tl.load(score_ptr + h).to(tl.float32) if HAS_SCORE else 0.0
+    score = 0.0
+    if HAS_SCORE:
+        rows = tl.arange(0, P_PAD)
+        score = tl.sum(tl.load(score_ptr + rows * H + h, mask=rows < parts, other=0.0).to(tl.float32), axis=0)
+        if ROUND == 1:
+            score = score.to(tl.bfloat16).to(tl.float32)
+        if ROUND == 2:
+            score = score.to(tl.float16).to(tl.float32)
     tl.store(sd_ptr + h * sd_h + slot, score)
     tl.store(pd_ptr + h * pd_h + slot, tl.load(true_ptr))
     if HAS_REST:

@@ -1,11 +1,12 @@
 """Fused element-wise ops of a captured decode step (engine/graph_step.py): in a CUDA graph each op is a kernel
-of a few microseconds, so a layer's ~45 small kernels cost more than a small model's weights. Four fusions:
+of a few microseconds, so a layer's ~45 small kernels cost more than a small model's weights. The fusions:
 
 | op | replaces |
 |---|---|
 | `add_rms_norm(x, residual, norm)` | the residual add and RMSNorm's 6 ops (Llama, Qwen2, Qwen3 norms) |
 | `rope_qk(q, k, cos, sin)` | the query's and key's rotation, 5 ops each |
 | `silu_mul(gate, up)` | the MLP's act and product |
+| `heads_score(head, x)` | LOCRET's retaining head on the new unit: fc1, its act and fc2 (3 launches) |
 | `write_unit(...)` | the new unit's K, V, score, true position and key remainder: 4-5 index writes |
 | `join_linears(...)` | q/k/v (and gate/up) as one product where they are plain linear layers: 3 launches -> 1 |
 
@@ -88,11 +89,37 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, score, kernel: bool = True) -> None:
+HEADS_BLOCK = 4  # hidden units of a retaining head per program of heads_score_kernel (256 programs at d_R 1,024)
+_ROUND = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def heads_score(head, x: torch.Tensor, kernel: bool = True) -> torch.Tensor:
+    """LOCRET's retaining head (engine/heads.py: fc2(silu(fc1 x)), no biases) on one row `x` `[1, in]`: its output
+    `[1, H]`, or with the kernel the partial sums `[programs, H]` fp32 whose sum (write_unit's) is that output, in
+    one launch instead of three. `kernel` False, another act or biases: the head itself."""
+    if not (kernel and use_triton(x)) or not _plain_silu(head):
+        return head(x.to(head.fc1.weight.dtype))
+    w1, w2 = head.fc1.weight, head.fc2.weight
+    d_r, n_in, h = w1.shape[0], w1.shape[1], w2.shape[0]
+    programs = -(-d_r // HEADS_BLOCK)
+    parts = torch.empty((programs, h), dtype=torch.float32, device=x.device)
+    _kernels().heads_score_kernel[(programs,)](x.contiguous(), w1, w2, parts, n_in, d_r, H=h, H_PAD=_pad(h),
+                                              BLOCK_R=HEADS_BLOCK, BLOCK_K=min(1024, _pad(n_in)))
+    return parts
+
+
+def _plain_silu(head) -> bool:
+    return (head.fc1.bias is None and head.fc2.bias is None and head.fc1.weight.is_contiguous()
+            and head.fc2.weight.is_contiguous() and type(head.act).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, score, kernel: bool = True,
+               score_dtype: torch.dtype | None = None) -> None:
     """Write one token's unit into a cache layer's buffers: `k`, `v` `[1, H, 1, d]` at `kv_slot` of `dst_k`, `dst_v`
-    `[1, H, C, d]`; `score` `[1, H]` (None: 0) and `true` `[1]` (its position) at `slot` of `dst_s`, `dst_p`
-    `[H, C]`; `dst_r` (key remainders `[1, H, C, d]` int8, or None) zeroed at `slot`. Slots are `[1]` device
-    tensors (a captured step's inputs). `kernel` False: the twin's index writes (an A/B)."""
+    `[1, H, C, d]`; `score` (the sum of its rows `[P, H]`: a head's output `[1, H]` or heads_score's partial sums,
+    rounded to `score_dtype`; None: 0) and `true` `[1]` (its position) at `slot` of `dst_s`, `dst_p` `[H, C]`;
+    `dst_r` (key remainders `[1, H, C, d]` int8, or None) zeroed at `slot`. Slots are `[1]` device tensors (a
+    captured step's inputs). `kernel` False: the twin's index writes (an A/B)."""
     h, d = k.shape[1], k.shape[-1]
     if not (kernel and use_triton(k)):
         dst_k.index_copy_(2, kv_slot, k)
@@ -100,7 +127,8 @@ def write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, sco
         if score is None:
             dst_s.index_fill_(1, slot, 0.0)
         else:
-            dst_s.index_copy_(1, slot, score.T.float())
+            total = score.float().sum(dim=0, keepdim=True)
+            dst_s.index_copy_(1, slot, total.to(score_dtype or score.dtype).float().T)
         dst_p.index_copy_(1, slot, true.expand(h, 1))
         if dst_r is not None:
             dst_r.index_fill_(2, slot, 0)
@@ -109,11 +137,13 @@ def write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, sco
         if t.stride(-1) != 1:
             raise ValueError("write_unit needs rows contiguous along the head dimension")
     rest = dst_r if dst_r is not None else dst_k
+    parts = score.shape[0] if score is not None else 1
     _kernels().write_unit_kernel[(h,)](
         kv_slot, slot, true, k, v, score.contiguous() if score is not None else dst_s, dst_k, dst_v, dst_s, dst_p, rest,
         k.stride(1), v.stride(1), dst_k.stride(1), dst_k.stride(2), dst_v.stride(1), dst_v.stride(2),
-        dst_s.stride(0), dst_p.stride(0), rest.stride(1), rest.stride(2),
-        D=d, D_PAD=_pad(d), HAS_SCORE=score is not None, HAS_REST=dst_r is not None)
+        dst_s.stride(0), dst_p.stride(0), rest.stride(1), rest.stride(2), parts,
+        D=d, D_PAD=_pad(d), HAS_SCORE=score is not None, HAS_REST=dst_r is not None, H=h, P_PAD=_pad(parts),
+        ROUND=_ROUND.get(score_dtype or (score.dtype if score is not None else torch.float32), 0))
 
 
 def join_linears(owner, name: str, linears) -> tuple[torch.Tensor, torch.Tensor | None] | None:

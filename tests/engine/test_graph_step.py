@@ -114,7 +114,12 @@ def test_the_quantized_cache(kv, tok):
 
 @pytest.mark.parametrize("kv", ["none", "int4"])
 def test_the_triton_kernel_in_the_step(kv, tok, triton_kernels):
-    _steps("llama", tok, kv=kv, residual=2 if kv != "none" else None, tokens=(5, 17, 9))  # a quantization on the way
+    """The step's Triton kernels (interpreted), the retaining heads' one included: logits, and the new units'
+    scores as the heads' hooks give them."""
+    ours, theirs = _steps("llama", tok, kv=kv, residual=2 if kv != "none" else None, tokens=(5, 17, 9))
+    for x, y in zip(ours.layers, theirs.layers):
+        assert x.scores[:, -3:].abs().sum() > 0
+        torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
 
 
 def test_what_keeps_a_model_from_the_step(tok):

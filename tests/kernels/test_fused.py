@@ -96,3 +96,28 @@ def test_write_unit_puts_the_unit_where_the_index_writes_do(with_score, with_res
         assert a is None and b is None or torch.equal(a, b)
     assert torch.equal(got[0][0, :, 7], k[0, :, 0]) and torch.equal(got[3][:, 9], torch.full((h,), 12345, device=DEV))
     assert torch.equal(got[2][:, 9], score[0].float() if with_score else torch.zeros(h, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_score_and_write_unit_give_the_heads_output(dtype, triton_kernels):
+    """A retaining head on one row in one launch (partial sums over blocks of its hidden units, added up and
+    rounded by write_unit) gives the head's own output: d_R and the input not multiples of the blocks."""
+    from localchat.engine.heads import RetainingHead
+
+    torch.manual_seed(0)
+    h, cap, d, n_in, d_r = 3, 10, 16, 300, 100
+    head = RetainingHead(n_in, d_r, h, "silu").to(DEV, dtype)
+    x = torch.randn(1, n_in, device=DEV, dtype=dtype)
+    want = head(x).float()
+    parts = fused.heads_score(head, x)
+    assert parts.shape == (-(-d_r // fused.HEADS_BLOCK), h) and parts.dtype == torch.float32
+    k = v = torch.randn(1, h, 1, d, device=DEV)
+    slots = [torch.tensor([x], device=DEV) for x in (4, 4, 77)]
+    for kernel in (True, False):  # the kernel's sum, and the twin's of the same partial sums
+        scores = torch.zeros(h, cap, device=DEV)
+        fused.write_unit(torch.zeros(1, h, cap, d, device=DEV), torch.zeros(1, h, cap, d, device=DEV), scores,
+                         torch.zeros(h, cap, dtype=torch.long, device=DEV), None, *slots, k, v, parts, kernel=kernel,
+                         score_dtype=dtype)
+        torch.testing.assert_close(scores[:, 4], want[0], **_tol(dtype))
+        assert scores[:, :4].abs().sum() == 0 and scores[:, 5:].abs().sum() == 0
+    assert fused.heads_score(head, x, kernel=False).shape == (1, h)  # the twin: the head itself
