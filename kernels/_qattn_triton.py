@@ -57,6 +57,21 @@ def _block_angles(first, cols, inv, cos_j, sin_j):
     return cos_b * cos_j - sin_b * sin_j, sin_b * cos_j + cos_b * sin_j
 
 
+@triton.jit
+def _ranges(lens_ptr, n, nt, per_split, LENS: tl.constexpr):
+    """(split, programs along axis 1, first and end of this split's quantized units, end of the tail): the last
+    program of a head reads the tail alone, the others their split of the n quantized units. With LENS the two
+    lengths come from device memory (a captured step)."""
+    if LENS:
+        n = tl.load(lens_ptr).to(tl.int32)
+        nt = tl.load(lens_ptr + 1).to(tl.int32)
+    split = tl.program_id(1)
+    programs = tl.num_programs(1)
+    tail = split == programs - 1
+    q_start = tl.where(tail, 0, split * per_split)
+    return split, programs, q_start, tl.where(tail, 0, tl.minimum(q_start + per_split, n)), tl.where(tail, nt, 0)
+
+
 @triton.jit(do_not_specialize=["n", "nt", "per_split"])
 def qattn_split_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, tk_ptr, tv_ptr, inv_ptr, out_ptr, lse_ptr, lens_ptr,
@@ -65,12 +80,7 @@ def qattn_split_kernel(
     Q_PER_KV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
     ROTATE: tl.constexpr, BLOCK: tl.constexpr, LENS: tl.constexpr,
 ):
-    if LENS:  # lengths in device memory (a captured step)
-        n = tl.load(lens_ptr).to(tl.int32)
-        nt = tl.load(lens_ptr + 1).to(tl.int32)
     hq = tl.program_id(0)
-    split = tl.program_id(1)
-    programs = tl.num_programs(1)
     h = hq // Q_PER_KV
     cols = tl.arange(0, D_PAD)
     cmask = cols < D
@@ -79,10 +89,7 @@ def qattn_split_kernel(
         partner, sign, inv, cos_j, sin_j = _rope_offsets(inv_ptr, cols, cmask, D, BLOCK)
         qp = tl.load(q_ptr + hq * q_h + partner, mask=cmask, other=0.0).to(tl.float32) * scaling
 
-    tail = split == programs - 1
-    q_start = tl.where(tail, 0, split * per_split)
-    q_stop = tl.where(tail, 0, tl.minimum(q_start + per_split, n))
-    t_stop = tl.where(tail, nt, 0)
+    split, programs, q_start, q_stop, t_stop = _ranges(lens_ptr, n, nt, per_split, LENS)
     m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
     acc = tl.zeros([D_PAD], tl.float32)
@@ -135,12 +142,7 @@ def qattn_group_kernel(
     """qattn_split_kernel with one program per (KV head, split) for all its Q_PER_KV query heads (QP: that
     number padded to a power of two): each unit is read, dequantized and rotated once, not once per query head.
     The same outputs, in the same places."""
-    if LENS:
-        n = tl.load(lens_ptr).to(tl.int32)
-        nt = tl.load(lens_ptr + 1).to(tl.int32)
     h = tl.program_id(0)
-    split = tl.program_id(1)
-    programs = tl.num_programs(1)
     heads = tl.arange(0, QP)
     hmask = heads < Q_PER_KV
     hq = h * Q_PER_KV + heads
@@ -151,10 +153,7 @@ def qattn_group_kernel(
     if ROTATE:  # R(i)k = k·cos + sign·k[partner]·sin, rotated once for the group
         partner, sign, inv, cos_j, sin_j = _rope_offsets(inv_ptr, cols, cmask, D, BLOCK)
 
-    tail = split == programs - 1
-    q_start = tl.where(tail, 0, split * per_split)
-    q_stop = tl.where(tail, 0, tl.minimum(q_start + per_split, n))
-    t_stop = tl.where(tail, nt, 0)
+    split, programs, q_start, q_stop, t_stop = _ranges(lens_ptr, n, nt, per_split, LENS)
     m_i = tl.full([QP], float("-inf"), tl.float32)
     l_i = tl.zeros([QP], tl.float32)
     acc = tl.zeros([QP, D_PAD], tl.float32)
@@ -238,12 +237,7 @@ def qattn_dot_kernel(
     """qattn_group_kernel with the products on tensor cores: the query heads of a KV head padded to QM (>= 16)
     rows, each head split in its two RoPE halves (columns lo and hi = lo + d/2, HALF_PAD wide), so the rotation
     is k1·cos - k2·sin, k2·cos + k1·sin with no second read of the key. The same outputs, in the same places."""
-    if LENS:
-        n = tl.load(lens_ptr).to(tl.int32)
-        nt = tl.load(lens_ptr + 1).to(tl.int32)
     h = tl.program_id(0)
-    split = tl.program_id(1)
-    programs = tl.num_programs(1)
     heads = tl.arange(0, QM)
     hmask = heads < Q_PER_KV
     hq = h * Q_PER_KV + heads
@@ -256,14 +250,9 @@ def qattn_dot_kernel(
     q1 = (tl.load(q_rows + lo[None, :], mask=qmask, other=0.0).to(tl.float32) * scaling).to(tl.float16)
     q2 = (tl.load(q_rows + hi[None, :], mask=qmask, other=0.0).to(tl.float32) * scaling).to(tl.float16)
     if ROTATE:  # cos/sin of the block's offsets j·inv, once per program (the addition rule per block)
-        inv = tl.load(inv_ptr + lo, mask=cmask, other=0.0)
-        step = tl.arange(0, BLOCK).to(tl.float32)[:, None] * inv[None, :]
-        cos_j, sin_j = tl.cos(step), tl.sin(step)
+        _, _, inv, cos_j, sin_j = _rope_offsets(inv_ptr, lo, cmask, D, BLOCK)
 
-    tail = split == programs - 1
-    q_start = tl.where(tail, 0, split * per_split)
-    q_stop = tl.where(tail, 0, tl.minimum(q_start + per_split, n))
-    t_stop = tl.where(tail, nt, 0)
+    split, programs, q_start, q_stop, t_stop = _ranges(lens_ptr, n, nt, per_split, LENS)
     m_i = tl.full([QM], float("-inf"), tl.float32)
     l_i = tl.zeros([QM], tl.float32)
     acc1 = tl.zeros([QM, HALF_PAD], tl.float32)
