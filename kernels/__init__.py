@@ -4,7 +4,7 @@
 |---|---|---|
 | `qattn.decode_attention` | one decoded token's attention over the quantized retained cache (int8/4/2 codes + scales), dequantized on the fly, keys rotated to their slots (compact positions), merged with the full-precision tail | dequantize the whole cache, rotate, softmax attention |
 | `graph_attn.attention` | the same for a captured decode step (engine/graph_step.py): buffers at capacity, the lengths held read from device memory, the plain cache too | mask the slots past each length, softmax attention |
-| `fused.add_rms_norm`, `fused.rope_qk`, `fused.silu_mul`, `fused.write_unit` | a captured decode step's residual add + RMSNorm, query and key RoPE, SiLU product, and the new unit's writes: one kernel each | the eager ops |
+| `fused.add_rms_norm`, `fused.heads_score`, `fused.rope_write`, `fused.silu_mul` | a captured decode step's residual add + RMSNorm, retaining head, query and key RoPE with the new unit's writes, and SiLU product: one kernel each | the eager ops |
 | `evict.gather_rotate` | the per-head eviction gather of K and V rows, with the compact-position key re-rotation fused in | `torch.gather` + `rope.shift_keys` |
 | `evict.gather_rotate_rest` | the same for bf16/fp16 keys that carry an int8 rounding remainder (`keyrest.py`): rotated from key + remainder, split again | gather + `keyrest.join` + `rope.shift_keys` + `keyrest.split` |
 | `evict.select` | top-b per KV head of every layer in one batched top-k + sort (torch on every device) | one top-k + sort per layer |

@@ -22,28 +22,14 @@ def add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n, eps, HAS_R: tl
 
 
 @triton.jit
-def _rotated(x_ptr, o_ptr, cos, sin, rows, cols, partner, sign, HEADS: tl.constexpr, D: tl.constexpr):
-    m = (rows < HEADS)[:, None] & (cols < D)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + rows[:, None] * D + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    dt = o_ptr.dtype.element_ty
-    a = (x * cos[None, :]).to(dt).to(tl.float32)
-    b = (sign[None, :] * xp * sin[None, :]).to(dt).to(tl.float32)
-    tl.store(o_ptr + rows[:, None] * D + cols[None, :], (a + b).to(dt), mask=m)
-
-
-@triton.jit
-def rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ: tl.constexpr, H: tl.constexpr,
-                   HQ_PAD: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    """One token's query `[HQ, D]` and key `[H, D]` heads rotated: x·cos + rotate_half(x)·sin."""
-    cols = tl.arange(0, D_PAD)
-    half = D // 2
-    partner = tl.where(cols < half, cols + half, cols - half)
-    sign = tl.where(cols < half, -1.0, 1.0)
-    cos = tl.load(cos_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    _rotated(q_ptr, qo_ptr, cos, sin, tl.arange(0, HQ_PAD), cols, partner, sign, HQ, D)
-    _rotated(k_ptr, ko_ptr, cos, sin, tl.arange(0, H_PAD), cols, partner, sign, H, D)
+def _rotate(x_ptr, offs, partner_offs, mask, cos, sin, sign, dt):
+    """x·cos + rotate_half(x)·sin of the values at x_ptr + offs (their partners at partner_offs), rounded to dt
+    where transformers' ops round."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
+    a = (x * cos).to(dt).to(tl.float32)
+    b = (sign * xp * sin).to(dt).to(tl.float32)
+    return (a + b).to(dt)
 
 
 @triton.jit
@@ -63,7 +49,7 @@ def heads_score_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, n_in, d_r, H: tl.constex
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """LOCRET's retaining head for one row, BLOCK_R of its d_R hidden units per program: h = silu(fc1·x), rounded
     where the eager ops round (to the weights' dtype), then h's share of fc2·h into this program's row of the
-    partial sums `[programs, H]` fp32 (write_unit_kernel adds them up)."""
+    partial sums `[programs, H]` fp32 (rope_write_kernel adds them up)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < d_r
     dt = w1_ptr.dtype.element_ty
@@ -84,25 +70,38 @@ def heads_score_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, n_in, d_r, H: tl.constex
 
 
 @triton.jit
-def write_unit_kernel(kv_slot_ptr, slot_ptr, true_ptr, k_ptr, v_ptr, score_ptr, kd_ptr, vd_ptr, sd_ptr, pd_ptr, rd_ptr,
-                      k_h, v_h, kd_h, kd_u, vd_h, vd_u, sd_h, pd_h, rd_h, rd_u, parts,
-                      D: tl.constexpr, D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_REST: tl.constexpr,
-                      H: tl.constexpr, P_PAD: tl.constexpr, ROUND: tl.constexpr):
-    """One KV head's new unit: K and V at the K/V slot, its score (0 without one) and true position at the unit
-    slot, and its key remainder zeroed (keys come in exact). The score is the sum of `parts` rows of `[parts, H]`
-    (one row: the retaining head's output; more: heads_score_kernel's partial sums), rounded to bf16 (ROUND 1) or
-    fp16 (2) as the head's own output would be."""
+def rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kv_slot_ptr, slot_ptr, true_ptr, score_ptr,
+                      kd_ptr, vd_ptr, sd_ptr, pd_ptr, rd_ptr, q_h, k_h, v_h, kd_h, kd_u, vd_h, vd_u, sd_h, pd_h,
+                      rd_h, rd_u, parts, Q_PER_KV: tl.constexpr, QP_PAD: tl.constexpr, D: tl.constexpr,
+                      D_PAD: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_REST: tl.constexpr, H: tl.constexpr,
+                      P_PAD: tl.constexpr, ROUND: tl.constexpr):
+    """One KV head h: its query heads rotated into qo `[Hq, D]`; its key rotated and its value written at the
+    K/V slot; its score (0 without one) and true position at the unit slot; its key remainder zeroed (keys come
+    in exact). The score is the sum of `parts` rows of `[parts, H]` (one row: the retaining head's output; more:
+    heads_score_kernel's partial sums), rounded to bf16 (ROUND 1) or fp16 (2) as the head's own output is."""
     h = tl.program_id(0)
     cols = tl.arange(0, D_PAD)
     m = cols < D
+    half = D // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    sign = tl.where(cols < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    group = tl.arange(0, QP_PAD)
+    rows = (h * Q_PER_KV + group)[:, None] * q_h
+    qm = (group < Q_PER_KV)[:, None] & m[None, :]
+    q = _rotate(q_ptr, rows + cols[None, :], rows + partner[None, :], qm, cos[None, :], sin[None, :],
+                sign[None, :], qo_ptr.dtype.element_ty)
+    tl.store(qo_ptr + (h * Q_PER_KV + group)[:, None] * D + cols[None, :], q, mask=qm)
     kv_slot = tl.load(kv_slot_ptr)
     slot = tl.load(slot_ptr)
-    tl.store(kd_ptr + h * kd_h + kv_slot * kd_u + cols, tl.load(k_ptr + h * k_h + cols, mask=m), mask=m)
+    k = _rotate(k_ptr, h * k_h + cols, h * k_h + partner, m, cos, sin, sign, k_ptr.dtype.element_ty)
+    tl.store(kd_ptr + h * kd_h + kv_slot * kd_u + cols, k, mask=m)
     tl.store(vd_ptr + h * vd_h + kv_slot * vd_u + cols, tl.load(v_ptr + h * v_h + cols, mask=m), mask=m)
     score = 0.0
     if HAS_SCORE:
-        rows = tl.arange(0, P_PAD)
-        score = tl.sum(tl.load(score_ptr + rows * H + h, mask=rows < parts, other=0.0).to(tl.float32), axis=0)
+        parts_at = tl.arange(0, P_PAD)
+        score = tl.sum(tl.load(score_ptr + parts_at * H + h, mask=parts_at < parts, other=0.0).to(tl.float32), axis=0)
         if ROUND == 1:
             score = score.to(tl.bfloat16).to(tl.float32)
         if ROUND == 2:

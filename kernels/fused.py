@@ -4,10 +4,9 @@ of a few microseconds, so a layer's ~45 small kernels cost more than a small mod
 | op | replaces |
 |---|---|
 | `add_rms_norm(x, residual, norm)` | the residual add and RMSNorm's 6 ops (Llama, Qwen2, Qwen3 norms) |
-| `rope_qk(q, k, cos, sin)` | the query's and key's rotation, 5 ops each |
-| `silu_mul(gate, up)` | the MLP's act and product |
 | `heads_score(head, x)` | LOCRET's retaining head on the new unit: fc1, its act and fc2 (3 launches) |
-| `write_unit(...)` | the new unit's K, V, score, true position and key remainder: 4-5 index writes |
+| `rope_write(q, k, v, cos, sin, ...)` | the query's and key's rotation (`rope_qk`: 5 ops each) and the new unit's K, V, score, true position and key remainder (`write_unit`: 4-5 index writes) |
+| `silu_mul(gate, up)` | the MLP's act and product |
 | `join_linears(...)` | q/k/v (and gate/up) as one product where they are plain linear layers: 3 launches -> 1 |
 
 Triton where `use_triton`, else the eager ops themselves (the twin). `serves(model)` says whether the model's
@@ -68,16 +67,10 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, norm) -> tuple[
     return out, total
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool = True):
-    """q `[1, Hq, 1, d]`, k `[1, H, 1, d]` rotated by cos/sin `[1, 1, 1, d]` (one position). `kernel` False: the
-    twin's ops (an A/B)."""
-    if not (kernel and use_triton(q)) or cos.dtype != q.dtype:
-        return rotate(q, cos, sin), rotate(k, cos, sin)
-    hq, h, d = q.shape[1], k.shape[1], q.shape[-1]
-    qo, ko = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
-    _kernels().rope_qk_kernel[(1,)](q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous(), qo, ko,
-                                    HQ=hq, H=h, HQ_PAD=_pad(hq), H_PAD=_pad(h), D=d, D_PAD=_pad(d))
-    return qo, ko
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q `[1, Hq, 1, d]`, k `[1, H, 1, d]` rotated by cos/sin `[1, 1, 1, d]` (one position), as transformers
+    rotates them (rope_write's twin)."""
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -95,7 +88,7 @@ _ROUND = {torch.bfloat16: 1, torch.float16: 2}
 
 def heads_score(head, x: torch.Tensor, kernel: bool = True) -> torch.Tensor:
     """LOCRET's retaining head (engine/heads.py: fc2(silu(fc1 x)), no biases) on one row `x` `[1, in]`: its output
-    `[1, H]`, or with the kernel the partial sums `[programs, H]` fp32 whose sum (write_unit's) is that output, in
+    `[1, H]`, or with the kernel the partial sums `[programs, H]` fp32 whose sum (rope_write's) is that output, in
     one launch instead of three. `kernel` False, another act or biases: the head itself."""
     if not (kernel and use_triton(x)) or not _plain_silu(head):
         return head(x.to(head.fc1.weight.dtype))
@@ -113,37 +106,50 @@ def _plain_silu(head) -> bool:
             and head.fc2.weight.is_contiguous() and type(head.act).__name__ in ("SiLU", "SiLUActivation"))
 
 
-def write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, score, kernel: bool = True,
+def write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, score,
                score_dtype: torch.dtype | None = None) -> None:
     """Write one token's unit into a cache layer's buffers: `k`, `v` `[1, H, 1, d]` at `kv_slot` of `dst_k`, `dst_v`
     `[1, H, C, d]`; `score` (the sum of its rows `[P, H]`: a head's output `[1, H]` or heads_score's partial sums,
     rounded to `score_dtype`; None: 0) and `true` `[1]` (its position) at `slot` of `dst_s`, `dst_p` `[H, C]`;
     `dst_r` (key remainders `[1, H, C, d]` int8, or None) zeroed at `slot`. Slots are `[1]` device tensors (a
-    captured step's inputs). `kernel` False: the twin's index writes (an A/B)."""
-    h, d = k.shape[1], k.shape[-1]
-    if not (kernel and use_triton(k)):
-        dst_k.index_copy_(2, kv_slot, k)
-        dst_v.index_copy_(2, kv_slot, v)
-        if score is None:
-            dst_s.index_fill_(1, slot, 0.0)
-        else:
-            total = score.float().sum(dim=0, keepdim=True)
-            dst_s.index_copy_(1, slot, total.to(score_dtype or score.dtype).float().T)
-        dst_p.index_copy_(1, slot, true.expand(h, 1))
-        if dst_r is not None:
-            dst_r.index_fill_(2, slot, 0)
-        return
-    for t in (dst_k, dst_v, k, v):
+    captured step's inputs). Index writes: rope_write's twin."""
+    h = k.shape[1]
+    dst_k.index_copy_(2, kv_slot, k)
+    dst_v.index_copy_(2, kv_slot, v)
+    if score is None:
+        dst_s.index_fill_(1, slot, 0.0)
+    else:
+        total = score.float().sum(dim=0, keepdim=True)
+        dst_s.index_copy_(1, slot, total.to(score_dtype or score.dtype).float().T)
+    dst_p.index_copy_(1, slot, true.expand(h, 1))
+    if dst_r is not None:
+        dst_r.index_fill_(2, slot, 0)
+
+
+def rope_write(q, k, v, cos, sin, dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, score,
+               kernel: bool = True, score_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The new unit's RoPE and writes in one launch: `q`, `k` rotated (rope_qk), then write_unit with the rotated
+    key; returns the rotated query `[1, Hq, 1, d]`. `kernel` False: the twins (an A/B)."""
+    if not (kernel and use_triton(k)) or cos.dtype != q.dtype:
+        q, k = rope_qk(q, k, cos, sin)
+        write_unit(dst_k, dst_v, dst_s, dst_p, dst_r, kv_slot, slot, true, k, v, score, score_dtype)
+        return q
+    hq, h, d = q.shape[1], k.shape[1], k.shape[-1]
+    for t in (dst_k, dst_v, q, k, v):
         if t.stride(-1) != 1:
-            raise ValueError("write_unit needs rows contiguous along the head dimension")
+            raise ValueError("rope_write needs rows contiguous along the head dimension")
+    qo = torch.empty((1, hq, 1, d), dtype=q.dtype, device=q.device)
     rest = dst_r if dst_r is not None else dst_k
     parts = score.shape[0] if score is not None else 1
-    _kernels().write_unit_kernel[(h,)](
-        kv_slot, slot, true, k, v, score.contiguous() if score is not None else dst_s, dst_k, dst_v, dst_s, dst_p, rest,
-        k.stride(1), v.stride(1), dst_k.stride(1), dst_k.stride(2), dst_v.stride(1), dst_v.stride(2),
+    _kernels().rope_write_kernel[(h,)](
+        q, k, v, cos.contiguous(), sin.contiguous(), qo, kv_slot, slot, true,
+        score.contiguous() if score is not None else dst_s, dst_k, dst_v, dst_s, dst_p, rest,
+        q.stride(1), k.stride(1), v.stride(1), dst_k.stride(1), dst_k.stride(2), dst_v.stride(1), dst_v.stride(2),
         dst_s.stride(0), dst_p.stride(0), rest.stride(1), rest.stride(2), parts,
-        D=d, D_PAD=_pad(d), HAS_SCORE=score is not None, HAS_REST=dst_r is not None, H=h, P_PAD=_pad(parts),
+        Q_PER_KV=hq // h, QP_PAD=_pad(hq // h), D=d, D_PAD=_pad(d), HAS_SCORE=score is not None,
+        HAS_REST=dst_r is not None, H=h, P_PAD=_pad(parts),
         ROUND=_ROUND.get(score_dtype or (score.dtype if score is not None else torch.float32), 0))
+    return qo
 
 
 def join_linears(owner, name: str, linears) -> tuple[torch.Tensor, torch.Tensor | None] | None:

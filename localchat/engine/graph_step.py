@@ -210,16 +210,15 @@ class GraphStep:
             score = None  # the new unit's score, from its pre-RoPE q/k/v (LOCRET's retaining heads)
             if self.heads is not None:
                 qkv = joined[0] if joined is not None else torch.cat((q[0], k[0], v[0]), dim=-1)
-                score = fused.heads_score(self.heads.layers[i], qkv, kernel=self.fused)  # write_unit adds it up
+                score = fused.heads_score(self.heads.layers[i], qkv, kernel=self.fused)  # rope_write adds it up
             q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [1, H, 1, d]
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = fused.rope_qk(q, k, cos, sin, kernel=self.fused)
-            query = q.reshape(1, self.q_heads, 1, d)
-            # K/V (at the tail's slot in a quantized cache), score, true position, key remainder
+            # RoPE; K/V (at the tail's slot in a quantized cache), score, true position, key remainder
             dst = (held._tk, held._tv, None, tail_slot) if self.quantized else (held._k, held._v, held._r, slot)
-            fused.write_unit(dst[0], dst[1], held._s, held._p, dst[2], dst[3], slot, true, k, v, score,
-                             kernel=self.fused, score_dtype=self.heads_dtype)
+            q = fused.rope_write(q, k, v, cos, sin, dst[0], dst[1], held._s, held._p, dst[2], dst[3], slot, true,
+                                 score, kernel=self.fused, score_dtype=self.heads_dtype)
+            query = q.reshape(1, self.q_heads, 1, d)
             if self.quantized:
                 out = graph_attn.attention(query, held._q, held._tk, held._tv, lens, held.bits, group_size(d),
                                            self.scaling, held.inv_freq)

@@ -39,21 +39,37 @@ def test_add_rms_norm_equals_the_add_and_the_norm(dtype, with_x, triton_kernels)
     torch.testing.assert_close(got, norm(want_total), **_tol(dtype))
 
 
+def _buffers(h, cap, d, seed, rest=True):
+    """A cache layer's buffers at capacity `cap`: keys, values, scores, positions, key remainders."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, h, cap, d, generator=g).to(DEV), torch.randn(1, h, cap, d, generator=g).to(DEV),
+            torch.randn(h, cap, generator=g).to(DEV), torch.randint(0, 99, (h, cap), generator=g).to(DEV),
+            torch.randint(-9, 9, (1, h, cap, d), generator=g).to(torch.int8).to(DEV) if rest else None]
+
+
+def _slots(kv_slot, slot, true):
+    return [torch.tensor([x], device=DEV) for x in (kv_slot, slot, true)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,h,d", [(6, 2, 64), (4, 4, 32)])
-def test_rope_qk_equals_transformers_rotation(hq, h, d, dtype, triton_kernels):
+def test_rope_write_rotates_as_transformers(hq, h, d, dtype, triton_kernels):
+    """The query it returns and the key it writes are transformers' rotation of them."""
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(1, 1, hq * d, generator=g).to(dtype).to(DEV)
     q = hidden.view(1, 1, hq, d).transpose(1, 2)  # the step's view of a projection
     k = torch.randn(1, 1, h * d, generator=g).to(dtype).to(DEV).view(1, 1, h, d).transpose(1, 2)
+    v = torch.randn(1, 1, h * d, generator=g).to(dtype).to(DEV).view(1, 1, h, d).transpose(1, 2)
     angle = 1234.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
     emb = torch.cat((angle, angle))
     cos, sin = (t.to(dtype).to(DEV)[None, None, None] for t in (emb.cos(), emb.sin()))
-    got_q, got_k = fused.rope_qk(q, k, cos, sin)
+    buffers = _buffers(h, 5, d, 0, rest=False)
+    buffers[:2] = [t.to(dtype) for t in buffers[:2]]  # the cache's keys and values are the model's dtype
+    got_q = fused.rope_write(q, k, v, cos, sin, *buffers, *_slots(3, 3, 7), None)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
     torch.testing.assert_close(got_q, want_q, **_tol(dtype))
-    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
-    assert got_q.shape == q.shape and got_k.shape == k.shape
+    torch.testing.assert_close(buffers[0][:, :, 3:4], want_k, **_tol(dtype))
+    assert got_q.shape == q.shape and torch.equal(buffers[1][:, :, 3:4], v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,35 +89,31 @@ def test_serves_llama_qwen_and_phi3_layers_and_not_gemmas():
 
 
 @pytest.mark.parametrize("with_score,with_rest", [(True, True), (False, False)])
-def test_write_unit_puts_the_unit_where_the_index_writes_do(with_score, with_rest, triton_kernels):
+def test_rope_write_puts_the_unit_where_the_index_writes_do(with_score, with_rest, triton_kernels):
     """K/V at the K/V slot (a quantized cache's tail slot differs from the unit slot), the score (0 without heads)
-    and true position at the unit slot, the key remainder zeroed; nothing else touched."""
+    and true position at the unit slot, the key remainder zeroed; nothing else touched; the same query."""
     g = torch.Generator().manual_seed(3)
-    h, cap, d = 3, 12, 48  # d not a power of two
-
-    def buffers():
-        g.manual_seed(4)
-        return [torch.randn(1, h, cap, d, generator=g).to(DEV), torch.randn(1, h, cap, d, generator=g).to(DEV),
-                torch.randn(h, cap, generator=g).to(DEV), torch.randint(0, 99, (h, cap), generator=g).to(DEV),
-                torch.randint(-9, 9, (1, h, cap, d), generator=g).to(torch.int8).to(DEV) if with_rest else None]
-
+    hq, h, cap, d = 6, 3, 12, 48  # d not a power of two
+    q = torch.randn(1, 1, hq * d, generator=g).to(DEV).view(1, 1, hq, d).transpose(1, 2)
     k = torch.randn(1, 1, h * d, generator=g).to(DEV).view(1, 1, h, d).transpose(1, 2)
     v = torch.randn(1, 1, h * d, generator=g).to(DEV).view(1, 1, h, d).transpose(1, 2)
+    cos, sin = (torch.randn(1, 1, 1, d, generator=g).to(DEV) for _ in range(2))
     score = torch.randn(1, h, generator=g).to(torch.bfloat16).to(DEV) if with_score else None
-    kv_slot, slot, true = (torch.tensor([x], device=DEV) for x in (7, 9, 12345))
-    got, want = buffers(), buffers()
-    fused.write_unit(*got, kv_slot, slot, true, k, v, score)
-    fused.write_unit(*want, kv_slot, slot, true, k, v, score, kernel=False)  # the index writes
-    for a, b in zip(got, want):
+    got, want = _buffers(h, cap, d, 4, with_rest), _buffers(h, cap, d, 4, with_rest)
+    got_q = fused.rope_write(q, k, v, cos, sin, *got, *_slots(7, 9, 12345), score)
+    want_q = fused.rope_write(q, k, v, cos, sin, *want, *_slots(7, 9, 12345), score, kernel=False)  # the twins
+    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(got[1:], want[1:]):
         assert a is None and b is None or torch.equal(a, b)
-    assert torch.equal(got[0][0, :, 7], k[0, :, 0]) and torch.equal(got[3][:, 9], torch.full((h,), 12345, device=DEV))
+    assert torch.equal(got[1][0, :, 7], v[0, :, 0]) and torch.equal(got[3][:, 9], torch.full((h,), 12345, device=DEV))
     assert torch.equal(got[2][:, 9], score[0].float() if with_score else torch.zeros(h, device=DEV))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_heads_score_and_write_unit_give_the_heads_output(dtype, triton_kernels):
     """A retaining head on one row in one launch (partial sums over blocks of its hidden units, added up and
-    rounded by write_unit) gives the head's own output: d_R and the input not multiples of the blocks."""
+    rounded by rope_write) gives the head's own output: d_R and the input not multiples of the blocks."""
     from localchat.engine.heads import RetainingHead
 
     torch.manual_seed(0)
@@ -111,13 +123,13 @@ def test_heads_score_and_write_unit_give_the_heads_output(dtype, triton_kernels)
     want = head(x).float()
     parts = fused.heads_score(head, x)
     assert parts.shape == (-(-d_r // fused.HEADS_BLOCK), h) and parts.dtype == torch.float32
-    k = v = torch.randn(1, h, 1, d, device=DEV)
-    slots = [torch.tensor([x], device=DEV) for x in (4, 4, 77)]
+    q = k = v = torch.randn(1, h, 1, d, device=DEV)
+    cos, sin = torch.ones(1, 1, 1, d, device=DEV), torch.zeros(1, 1, 1, d, device=DEV)
     for kernel in (True, False):  # the kernel's sum, and the twin's of the same partial sums
         scores = torch.zeros(h, cap, device=DEV)
-        fused.write_unit(torch.zeros(1, h, cap, d, device=DEV), torch.zeros(1, h, cap, d, device=DEV), scores,
-                         torch.zeros(h, cap, dtype=torch.long, device=DEV), None, *slots, k, v, parts, kernel=kernel,
-                         score_dtype=dtype)
+        fused.rope_write(q, k, v, cos, sin, torch.zeros(1, h, cap, d, device=DEV), torch.zeros(1, h, cap, d, device=DEV),
+                         scores, torch.zeros(h, cap, dtype=torch.long, device=DEV), None, *_slots(4, 4, 77), parts,
+                         kernel=kernel, score_dtype=dtype)
         torch.testing.assert_close(scores[:, 4], want[0], **_tol(dtype))
         assert scores[:, :4].abs().sum() == 0 and scores[:, 5:].abs().sum() == 0
     assert fused.heads_score(head, x, kernel=False).shape == (1, h)  # the twin: the head itself
