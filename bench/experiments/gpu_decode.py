@@ -85,12 +85,12 @@ def steady_rate(times: list[float]) -> float | None:
     return (len(times) - 2) / (times[-1] - times[1])
 
 
-def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | None, str | None]:
-    """(GPU kernel time per decoded token over `tokens` steps, from the profiler; the TOP kernels by that time),
-    both None off CUDA. The profiler starts at the second token: the first step on a copy of the cache (a graph
-    way's capture, its eager body included) is not counted."""
+def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | None, str | None, float | None]:
+    """(GPU kernel time per decoded token over `tokens` steps, from the profiler; the TOP kernels by that time;
+    kernels launched per token), all None off CUDA. The profiler starts at the second token: the first step on a
+    copy of the cache (a graph way's capture, its eager body included) is not counted."""
     if engine.device.type != "cuda":
-        return None, None
+        return None, None, None
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CUDA])
@@ -110,7 +110,8 @@ def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | Non
     per_token = 1000 * max(seen - 2, 1)  # the steps after the second token
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:TOP]
     named = "; ".join(f"{e.key[:60]} {e.self_device_time_total / per_token:.3f} ms x{e.count}" for e in top)
-    return sum(e.self_device_time_total for e in events) / per_token, named
+    kernels = sum(e.count for e in events if e.self_device_time_total > 0) / max(seen - 2, 1)
+    return sum(e.self_device_time_total for e in events) / per_token, named, kernels
 
 
 def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
@@ -160,12 +161,13 @@ def _measure(args) -> dict:
             took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
             replay = _replay_ms(engine) if way.startswith("graph") else None
-            kernel, top = _kernel_ms(engine, cache, at, args.profile_tokens)
+            kernel, top, launches = _kernel_ms(engine, cache, at, args.profile_tokens)
             rows.append({
                 "weights": weights, "way": way if not way.startswith("graph") or took else f"{way} (not taken: {'; '.join(notes) or 'not CUDA'})",
                 "decode_tok_s": round(done.decode_tps, 1), "ms_per_token": round(ms_token, 3),
                 "steady_tok_s": None if steady is None else round(steady, 1),
                 "gpu_kernel_ms_per_token": None if kernel is None else round(kernel, 3),
+                "gpu_kernels_per_token": None if launches is None else round(launches, 1),
                 "gpu_busy_share": None if kernel is None else round(min(kernel * (steady or 1e3 / ms_token) / 1e3, 1.0), 3),
                 "replay_ms": None if replay is None else round(replay, 3),
                 "replay_busy_share": None if replay is None else round(min(replay * (steady or 1e3 / ms_token) / 1e3, 1.0), 3),
@@ -196,7 +198,8 @@ def _commit() -> str:
 
 def markdown(result: dict) -> str:
     s = result["setup"]
-    cols = ["weights", "way", "decode_tok_s", "steady_tok_s", "ms_per_token", "gpu_kernel_ms_per_token", "gpu_busy_share",
+    cols = ["weights", "way", "decode_tok_s", "steady_tok_s", "ms_per_token", "gpu_kernel_ms_per_token",
+            "gpu_kernels_per_token", "gpu_busy_share",
             "replay_ms", "replay_busy_share", "prefill_tok_s", "kv_units_per_head", "peak_gib_after_read"]
     lines = [f"# Decode by way and weights: {Path(s['model']).name} on {result['device']} (random weights, speed only)",
              "", f"Command: `{s['command']}` (commit {result['commit']})", "",
