@@ -112,10 +112,13 @@ def test_the_quantized_cache(kv, tok):
         assert torch.equal(x.positions, y.positions)
 
 
-@pytest.mark.parametrize("kv", ["none", "int4"])
-def test_the_triton_kernel_in_the_step(kv, tok, triton_kernels):
-    """The step's Triton kernels (interpreted), the retaining heads' one included: logits, and the new units'
-    scores as the heads' hooks give them."""
+@pytest.mark.parametrize("kv,way", [("none", "group"), ("int4", "group"), ("int4", "dot")])
+def test_the_triton_kernel_in_the_step(kv, way, tok, triton_kernels, monkeypatch):
+    """The step's Triton kernels (interpreted), the retaining heads' one included, with the split kernel's grouped
+    way and its tensor-core way: logits, and the new units' scores as the heads' hooks give them."""
+    from localchat.kernels import qattn
+
+    monkeypatch.setattr(qattn, "WAY", way)
     ours, theirs = _steps("llama", tok, kv=kv, residual=2 if kv != "none" else None, tokens=(5, 17, 9))
     for x, y in zip(ours.layers, theirs.layers):
         assert x.scores[:, -3:].abs().sum() > 0
