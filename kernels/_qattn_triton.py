@@ -197,18 +197,26 @@ def qattn_group_kernel(
 
 
 @triton.jit(do_not_specialize=["parts"])
-def merge_kernel(part_ptr, lse_ptr, out_ptr, parts, D: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr):
+def merge_kernel(part_ptr, lse_ptr, out_ptr, parts, D: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                 PB: tl.constexpr):
+    """One query head: the partials weighted by exp(lse - max), PB of them at a time (a [P_PAD, d] tile of 127
+    splits would not fit a program's registers), over the sum of the weights."""
     hq = tl.program_id(0)
     idx = tl.arange(0, P_PAD)
-    pmask = idx < parts
-    lse = tl.load(lse_ptr + hq * parts + idx, mask=pmask, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))
-    w = w / tl.sum(w, axis=0)
+    lse = tl.load(lse_ptr + hq * parts + idx, mask=idx < parts, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    total = tl.sum(tl.exp(lse - top), axis=0)
     cols = tl.arange(0, D_PAD)
-    m = pmask[:, None] & (cols < D)[None, :]
-    part = tl.load(part_ptr + (hq * parts + idx)[:, None] * D + cols[None, :], mask=m, other=0.0)
-    out = tl.sum(w[:, None] * part, axis=0)
-    tl.store(out_ptr + hq * D + cols, out.to(out_ptr.dtype.element_ty), mask=cols < D)
+    cmask = cols < D
+    acc = tl.zeros([D_PAD], tl.float32)
+    for first in range(0, parts, PB):
+        j = first + tl.arange(0, PB)
+        jmask = j < parts
+        w = tl.exp(tl.load(lse_ptr + hq * parts + j, mask=jmask, other=float("-inf")) - top)
+        part = tl.load(part_ptr + (hq * parts + j)[:, None] * D + cols[None, :], mask=jmask[:, None] & cmask[None, :],
+                       other=0.0)
+        acc += tl.sum(w[:, None] * part, axis=0)
+    tl.store(out_ptr + hq * D + cols, (acc / total).to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit

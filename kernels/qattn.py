@@ -158,7 +158,8 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
         Q_PER_KV=h_q // h, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=in_memory, **sizes,
     )
     out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
-    k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs))
+    k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs),
+                           PB=16)
     return out
 
 

@@ -64,6 +64,24 @@ def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate, way
     torch.testing.assert_close(got, want, atol=WAY_TOLERANCE[way], rtol=WAY_TOLERANCE[way])
 
 
+@pytest.mark.parametrize("way", ["group", "dot"])
+def test_many_splits_merge_in_blocks(way, monkeypatch):
+    """Up to the most splits (the split target far above the units' blocks): the merge adds the partials up 16 at
+    a time, and the answer is the twin's."""
+    monkeypatch.setattr(qattn, "WAY", way)
+    monkeypatch.setattr(qattn, "TARGET_PROGRAMS", 1056)
+    monkeypatch.setattr(qattn, "DOT_BLOCK", 16)
+    hq, h, d, nq, nt = 4, 2, 32, 1200, 3
+    quant = quantized(h, nq, d, 8, seed=5)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, hq, 1, d, generator=g).to(DEV)
+    tk, tv = (torch.randn(1, h, nt, d, generator=g).to(DEV) for _ in range(2))
+    args = (q, quant, tk, tv, 8, group_size(d), d**-0.5, inv_freq(d).to(DEV))
+    assert qattn.plan_splits(nq, h, 16 if way == "dot" else 64)[0] > 16
+    torch.testing.assert_close(qattn.decode_attention_triton(*args), qattn.decode_attention_torch(*args),
+                               atol=WAY_TOLERANCE[way], rtol=WAY_TOLERANCE[way])
+
+
 # (query heads, KV heads, head_dim, capacity, held, tail capacity, tail held, bits, rotate)
 GRAPH_CASES = [
     (9, 3, 64, 300, 200, 40, 5, 4, True),  # SmolLM2's GQA, the packed part and a tail
