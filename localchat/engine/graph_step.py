@@ -125,8 +125,6 @@ class GraphStep:
                 layer._ensure(n + 1, layer._k, layer._v)
                 slot, main = n, n + 1
             layer.n = n + 1
-            if self.quantized:  # its keys/values are the tail's views, set when n or the tail changes
-                layer._publish()
         return slot, tail_slot, main, tail
 
     def _like(self, layer) -> torch.Tensor:

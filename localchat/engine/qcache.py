@@ -98,11 +98,23 @@ class QuantizedKVLayer(KVLayer):
             tv[:, :, : self.nt] = self._tv[:, :, : self.nt]
         self._tk, self._tv = tk, tv
 
-    def _publish(self) -> None:
-        # `keys`/`values` are the full-precision tail only: the dequantized whole is built per forward and
-        # not kept, so the cache holds packed data between forwards.
-        if self._tk is not None:
-            self.keys, self.values = self._tk[:, :, : self.nt], self._tv[:, :, : self.nt]
+    # `keys`/`values` (transformers' names) are views of the full-precision tail only, made when read: the
+    # dequantized whole is built per forward and not kept, so the cache holds packed data between forwards.
+    @property
+    def keys(self):
+        return self._keys if self._tk is None else self._tk[:, :, : self.nt]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._keys = value
+
+    @property
+    def values(self):
+        return self._values if self._tv is None else self._tv[:, :, : self.nt]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._values = value
 
     def _quantize_tail(self) -> None:
         """Move every tail unit into the quantized part (slots nq .. n-1), each quantized once."""
@@ -121,7 +133,6 @@ class QuantizedKVLayer(KVLayer):
             self._q[sn][:, :, self.nq : self.n] = scale
             self._q[zn][:, :, self.nq : self.n] = zero
         self.nq = self.n
-        self._publish()
 
     def quantized(self) -> dict[str, torch.Tensor]:
         """The quantized part as QUANT_KEYS -> `[1, H, nq, ...]` views (codes, scales, zeros)."""
@@ -155,7 +166,6 @@ class QuantizedKVLayer(KVLayer):
         pos = self.pending_positions
         self._p[:, self.n : end] = pos if pos is not None else torch.arange(self.n, end, device=self._p.device)
         self.n = end
-        self._publish()
         if self.nq == 0:
             return self.keys, self.values
         if self.defer and t == 1:  # the attention function reads the packed part itself: only the tail goes back
@@ -191,14 +201,12 @@ class QuantizedKVLayer(KVLayer):
         self._s[:, :k] = torch.gather(self.scores, 1, idx)
         self._p[:, :k] = torch.gather(self.positions, 1, idx)
         self.n = self.nq = k
-        self._publish()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count of tokens to remove")
         self.n = max(0, self.n + tokens_to_remove)
         self.nq = min(self.nq, self.n)
-        self._publish()
 
     def reset(self) -> None:
         self._q = self._tk = self._tv = None
@@ -234,7 +242,6 @@ class QuantizedKVLayer(KVLayer):
         if nt:  # an empty tail allocates nothing (the next update does)
             self._tk[:, :, :nt], self._tv[:, :, :nt] = tk, tv
         self._s[:, : self.n], self._p[:, : self.n] = t["s"], t["p"]
-        self._publish()
 
     def hold(self, t: dict[str, torch.Tensor]) -> None:
         self.fill_quantized(t)
