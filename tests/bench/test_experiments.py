@@ -100,6 +100,26 @@ def test_gpu_decode_runs_every_way_on_a_cpu(tmp_path: Path, monkeypatch) -> None
     assert "| fp32 | eager step |" in (tmp_path / "out" / "gpu_decode.md").read_text()
 
 
+def test_host_step_times_the_hosts_side_of_a_step(tmp_path: Path, monkeypatch) -> None:
+    """The captured step's host side, rehearsed on a tiny model: a row per cache, the body left out (the model's
+    forward is never called while decoding), the buffers' check timed apart; GraphStep's body given back."""
+    import json
+
+    from tiny import save_tiny
+
+    from localchat.engine.graph_step import GraphStep
+
+    body = GraphStep._body
+    model = save_tiny(tmp_path / "tiny")
+    script = load(EXPERIMENTS / "host_step.py")
+    script.main(["--model", str(model), "--kv", "none,int8", "--length", "200", "--tokens", "12", "--budget", "48",
+                 "--out", str(tmp_path / "out")])
+    rows = json.loads((tmp_path / "out" / "host_step.json").read_text())["rows"]
+    assert [r["kv"] for r in rows] == ["none", "int8"] and all(r["tokens"] == 12 for r in rows)
+    assert all(0 < r["loop_ms_per_token"] < r["host_ms_per_token"] and r["buffers_check_us"] > 0 for r in rows)
+    assert GraphStep._body is body
+
+
 def test_gpu_prefill_profile_buckets_a_read(tmp_path: Path, monkeypatch) -> None:
     """The GPU's prefill profile, rehearsed on a tiny model (CPU times): every bucket present, the marked heads and
     eviction ranges found, the shares summing to the whole."""
