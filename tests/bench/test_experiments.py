@@ -26,6 +26,12 @@ ATTRIBUTES = [
     ("localchat.engine.policies.sagekv", "SageKV.prefill_done"),
     ("localchat.bench.perf", "_prompt"),
     ("localchat.bench.perf", "_run"),
+    ("localchat.kernels.qattn", "WAY"),
+    ("localchat.kernels.qattn", "DOT_BLOCK"),
+    ("localchat.kernels.qattn", "TARGET_PROGRAMS"),
+    ("localchat.engine.graph_step", "GraphStep._body"),
+    ("localchat.engine.graph_step", "GraphStep._buffers"),
+    ("localchat.engine.graph_step", "GraphStep.FUSED"),
 ]
 
 
