@@ -82,9 +82,15 @@ class KVLayer(DynamicLayer):
 
     # `keys`/`values` (transformers' names) are views of the units held, made when read: a decoded token does
     # not pay for two views per layer. Before the buffers exist they are what transformers set.
+    def _held(self, values: bool) -> torch.Tensor | None:
+        """The keys (or values) held, a view of the buffer; None before it exists."""
+        buf = self._v if values else self._k
+        return None if buf is None else buf[:, :, : self.n]
+
     @property
     def keys(self):
-        return self._keys if self._k is None else self._k[:, :, : self.n]
+        held = self._held(False)
+        return self._keys if held is None else held
 
     @keys.setter
     def keys(self, value) -> None:
@@ -92,7 +98,8 @@ class KVLayer(DynamicLayer):
 
     @property
     def values(self):
-        return self._values if self._v is None else self._v[:, :, : self.n]
+        held = self._held(True)
+        return self._values if held is None else held
 
     @values.setter
     def values(self, value) -> None:

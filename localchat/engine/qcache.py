@@ -98,23 +98,11 @@ class QuantizedKVLayer(KVLayer):
             tv[:, :, : self.nt] = self._tv[:, :, : self.nt]
         self._tk, self._tv = tk, tv
 
-    # `keys`/`values` (transformers' names) are views of the full-precision tail only, made when read: the
-    # dequantized whole is built per forward and not kept, so the cache holds packed data between forwards.
-    @property
-    def keys(self):
-        return self._keys if self._tk is None else self._tk[:, :, : self.nt]
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._keys = value
-
-    @property
-    def values(self):
-        return self._values if self._tv is None else self._tv[:, :, : self.nt]
-
-    @values.setter
-    def values(self, value) -> None:
-        self._values = value
+    def _held(self, values: bool) -> torch.Tensor | None:
+        """`keys`/`values` are the full-precision tail only: the dequantized whole is built per forward and not
+        kept, so the cache holds packed data between forwards."""
+        buf = self._tv if values else self._tk
+        return None if buf is None else buf[:, :, : self.nt]
 
     def _quantize_tail(self) -> None:
         """Move every tail unit into the quantized part (slots nq .. n-1), each quantized once."""
