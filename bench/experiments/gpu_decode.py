@@ -160,6 +160,7 @@ def _measure(args) -> dict:
             steady = steady_rate(times)
             took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
+            rate = steady or 1e3 / ms_token  # tokens/s for the busy shares: the capture left out where it can be
             replay = _replay_ms(engine) if way.startswith("graph") else None
             kernel, top, launches = _kernel_ms(engine, cache, at, args.profile_tokens)
             rows.append({
@@ -168,9 +169,9 @@ def _measure(args) -> dict:
                 "steady_tok_s": None if steady is None else round(steady, 1),
                 "gpu_kernel_ms_per_token": None if kernel is None else round(kernel, 3),
                 "gpu_kernels_per_token": None if launches is None else round(launches, 1),
-                "gpu_busy_share": None if kernel is None else round(min(kernel * (steady or 1e3 / ms_token) / 1e3, 1.0), 3),
+                "gpu_busy_share": None if kernel is None else round(min(kernel * rate / 1e3, 1.0), 3),
                 "replay_ms": None if replay is None else round(replay, 3),
-                "replay_busy_share": None if replay is None else round(min(replay * (steady or 1e3 / ms_token) / 1e3, 1.0), 3),
+                "replay_busy_share": None if replay is None else round(min(replay * rate / 1e3, 1.0), 3),
                 "prefill_tok_s": round(read.prefill_tps, 1), "kv_units_per_head": done.kv_tokens,
                 "peak_gib_after_read": None if peak is None else round(peak, 2),
                 "top_kernels": top,
