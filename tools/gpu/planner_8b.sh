@@ -20,7 +20,8 @@
 #           on a full cache: measured peak vs planned)
 #   step 3  the 8B at 24 GB: a 128K-token document read end to end by `ask --stats` with `--profile rtx4090` (nf4
 #           weights, int8 cache, b=16,384), nvidia-smi sampling the GPU's busy share; the stats line has prefill and
-#           decode tok/s and the peak of GPU memory
+#           decode tok/s and the peak of GPU memory; then gpu_decode.py after a read of that length at those
+#           settings (graph replay, the steady rate, step 8's fastest split kernel)
 #   step 4  the 8B at 24 GB, --policy full: the first length in LENGTHS that fails (one-line refusal or OOM)
 #   step 5  the captured decode step's tests on CUDA (graph replay = eager body; the kernels' tests)
 #   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay (fused ops and not) vs eager step vs forward
@@ -94,7 +95,12 @@ for step in $STEPS; do case $step in
    SMI=$!
    run "$OUT/read-128k-$BIG-rtx4090.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --profile rtx4090 --model "$MODELS_DIR/$BIG" \
        --heads random --max-new-tokens 64 ask --file "$f" --stats "What is the last number in the document?"
-   [ "$DRY" = 1 ] || kill $SMI ;;
+   [ "$DRY" = 1 ] || kill $SMI
+   # decode after a read of the same length at the same settings: the steady rate, without ask's one capture
+   run "$OUT/decode-128k-$BIG-nf4.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $PY bench/experiments/gpu_decode.py \
+       --length ${LEN3:-131072} --tokens 128 --model "$MODELS_DIR/$BIG" --weights nf4 --ways graph \
+       --budget 16384 --chunk 4096 --kv int8 $($PY bench/experiments/gpu_attn.py --best "$OUT/attn-$BIG.json" --bits 8) \
+       --out "$OUT/decode-128k-$BIG-nf4" ;;
 4) for n in $LENGTHS; do
        f=$(doc "$n")
        run "$OUT/full-$n-$BIG-24gb.txt" env LOCALCHAT_GPU_MEMORY_GB=24 $LC --model "$MODELS_DIR/$BIG" --policy full \
