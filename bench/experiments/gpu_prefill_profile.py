@@ -135,9 +135,9 @@ def main(argv=None) -> None:
         "command": "python bench/experiments/gpu_prefill_profile.py " + " ".join(argv or __import__("sys").argv[1:]),
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
         "prefill_tok_s": round(wall.prefill_tps, 1), "prefill_s": round(wall.prefill_s, 3),
-        "profiled_s": round(profiled_s, 3), "device_ms": round(total, 1),
+        "profiled_s": round(profiled_s, 3), "device_ms": round(total, 3),
         "busy_share": round(total / 1000 / profiled_s, 3) if profiled_s else None,
-        "buckets_ms": {k: round(v, 1) for k, v in split.items()},
+        "buckets_ms": {k: round(v, 3) for k, v in split.items()},
         "top_ops": [(e.key, e.count, round(_device_ms(e), 1))
                     for e in sorted(events, key=_device_ms, reverse=True)[:15]],
         "setup": vars(args),
