@@ -1,5 +1,7 @@
 """Decode attention alone at a model's shape: the split kernel over a cache of `--units` units, per call and per
-token (times the layers; on CUDA the GPU's time from a replayed CUDA graph, as inside the captured step), for the int8/int4 cache with and without the in-kernel RoPE, and the plain bf16 cache.
+token (times the layers; on CUDA the GPU's time from a replayed CUDA graph, as inside the captured step), for the
+int8/int4 cache with and without the in-kernel RoPE, and the plain bf16 cache (`--caches`), in each of the
+kernel's ways (`--ways`: kernels/qattn.py's WAY) and split targets (`--programs`).
 
     python bench/experiments/gpu_attn.py [--units 16527] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
         [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--ways group,dot,head]
