@@ -8,11 +8,10 @@ Output `[1, 1, Hq, d]` in the query's dtype (transformers' attention-function la
 
 Triton: a flash-decoding kernel (two launches per layer), in three ways (`WAY`, below): per query head as
 described here, per KV head for all its query heads, or the same with the products on tensor cores. Program
-(query head, split) walks its split of
-the nq units in blocks: unpack codes, scale + zero per group, score against the query rotated by the unit's
-slot (q·R(i)k = (R(-i)q)·k, cos/sin computed in the kernel), online softmax, accumulate values; one more
-program per head does the full-precision tail. Each writes a partial output and its log-sum-exp; a second
-kernel merges them. The query is read in place (no copy).
+(query head, split) walks its split of the nq units in blocks: unpack codes, scale + zero per group, score
+against the query rotated by the unit's slot (q·R(i)k = (R(-i)q)·k, cos/sin computed in the kernel), online
+softmax, accumulate values; one more program per head does the full-precision tail. Each writes a partial
+output and its log-sum-exp; a second kernel merges them. The query is read in place (no copy).
 The twin dequantizes the whole quantized part and runs plain softmax attention in fp32.
 """
 
@@ -130,11 +129,11 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
     d_pad = triton.next_power_of_2(d)
     qp = triton.next_power_of_2(h_q // h)
     if WAY == "group":  # a [query heads, BLOCK, d] product per block: about 8K values
-        block = max(16, min(64, 8192 // (qp * d_pad)))
-    elif WAY == "dot":
-        block = DOT_BLOCK
+        block, sizes = max(16, min(64, 8192 // (qp * d_pad))), {"D": d, "D_PAD": d_pad, "QP": qp}
+    elif WAY == "dot":  # tl.dot wants 16 rows at least, and the head's halves a power of two each
+        block, sizes = DOT_BLOCK, {"D": d, "QM": max(16, qp), "HALF_PAD": max(16, triton.next_power_of_2(d // 2))}
     else:
-        block = 64 if d_pad <= 64 else 32
+        block, sizes = 64 if d_pad <= 64 else 32, {"D": d, "D_PAD": d_pad}
     splits, per_split = plan_splits(units, h_q if WAY == "head" else h, block)
     programs = splits + 1  # the last one per head reads the tail
     parts = torch.empty((h_q, programs, d), device=query.device, dtype=torch.float32)
@@ -144,11 +143,6 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
     in_memory = isinstance(lengths, torch.Tensor)
     n, nt = (0, 0) if in_memory else lengths
     kernel, grid = getattr(k, WAYS[WAY]), (h_q if WAY == "head" else h, programs)
-    sizes = {"D": d, "D_PAD": d_pad}
-    if WAY == "group":
-        sizes["QP"] = qp
-    elif WAY == "dot":  # tl.dot wants 16 rows at least, and the head's halves a power of two each
-        sizes = {"D": d, "QM": max(16, qp), "HALF_PAD": max(16, triton.next_power_of_2(d // 2))}
     kernel[grid](
         query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse, lengths if in_memory else lse,
         n, nt, per_split, float(scaling), query.stride(1),

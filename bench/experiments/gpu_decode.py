@@ -42,11 +42,11 @@ WAYS = ("graph", "graph-unfused", "eager step", "forward")
 TOP = 8  # the kernels named per row: the most GPU time per token
 
 
-def _done(events, notes: list | None = None, times: list | None = None) -> Done:
-    """The Done event; the engine's notices into `notes`, and when each token came into `times`."""
+def _done(events, notes: list | None = None, on_token=None) -> Done:
+    """The Done event; the engine's notices into `notes`; `on_token()` called as each token comes."""
     for event in events:
-        if isinstance(event, Token) and times is not None:
-            times.append(time.perf_counter())
+        if isinstance(event, Token) and on_token is not None:
+            on_token()
         if isinstance(event, Notice) and notes is not None:
             notes.append(event.message)
         if isinstance(event, Error):
@@ -69,12 +69,12 @@ def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
     return torch.randint(vocab // 8, vocab // 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None, times=None) -> tuple[Done, object]:
+def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None, on_token=None) -> tuple[Done, object]:
     """`tokens` greedy tokens after a 16-token follow-up on a copy of `cache`; (Done, the copy)."""
     copy = cache.clone()
     follow = _tokens(engine, 16, seed)
     settings = GenerationSettings(max_new_tokens=tokens, ignore_eos=True)
-    return _done(engine.continue_on(copy, follow, at, settings), notes, times), copy
+    return _done(engine.continue_on(copy, follow, at, settings), notes, on_token), copy
 
 
 def steady_rate(times: list[float]) -> float | None:
@@ -94,24 +94,23 @@ def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | Non
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CUDA])
-    settings = GenerationSettings(max_new_tokens=tokens + 2, ignore_eos=True)
-    seen = 0
-    for event in engine.continue_on(cache.clone(), _tokens(engine, 16, 1), at, settings):
-        if isinstance(event, Error):
-            raise SystemExit(f"error: {event.message}")
-        if isinstance(event, Token):
-            seen += 1
-            if seen == 2:
-                _sync(engine.device)
-                prof.start()
+    seen = []
+
+    def start_at_second() -> None:
+        seen.append(1)
+        if len(seen) == 2:
+            _sync(engine.device)
+            prof.start()
+
+    _decode(engine, cache, at, tokens + 2, seed=1, on_token=start_at_second)
     _sync(engine.device)
     prof.stop()
     events = prof.key_averages()
-    per_token = 1000 * max(seen - 2, 1)  # the steps after the second token
+    steps = max(len(seen) - 2, 1)  # the steps after the second token
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:TOP]
-    named = "; ".join(f"{e.key[:60]} {e.self_device_time_total / per_token:.3f} ms x{e.count}" for e in top)
-    kernels = sum(e.count for e in events if e.self_device_time_total > 0) / max(seen - 2, 1)
-    return sum(e.self_device_time_total for e in events) / per_token, named, kernels
+    named = "; ".join(f"{e.key[:60]} {e.self_device_time_total / 1000 / steps:.3f} ms x{e.count}" for e in top)
+    kernels = sum(e.count for e in events if e.self_device_time_total > 0) / steps
+    return sum(e.self_device_time_total for e in events) / 1000 / steps, named, kernels
 
 
 def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
@@ -156,7 +155,8 @@ def _measure(args) -> dict:
             notes = []  # the engine's one line when it decodes eagerly
             _decode(engine, cache, at, 4, seed=2, notes=notes)  # warm-up (a capture, Triton compiles)
             times = []
-            done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes, times=times)
+            done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes,
+                              on_token=lambda: times.append(time.perf_counter()))
             steady = steady_rate(times)
             took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)

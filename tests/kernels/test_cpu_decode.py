@@ -239,5 +239,6 @@ def _child_check(inputs, want) -> None:
     x, linears, qkv = inputs
     int4 = next(p for p in linears if p.bits == 4)
     native = cpu_decode.kernels()
-    got = [native.packed_row(x, int4.codes, int4.scales, 4, 960, GROUP, int4.block), native.decode_attention(*qkv, 0.125)]
+    got = [native.packed_row(x, int4.codes, int4.scales, 4, 960, GROUP, int4.block),
+           native.decode_attention(*qkv, 0.125)]
     raise SystemExit(0 if torch.equal(got[0], want[0]) and torch.equal(got[1], want[-1]) else 1)

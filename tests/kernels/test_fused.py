@@ -111,7 +111,7 @@ def test_rope_write_puts_the_unit_where_the_index_writes_do(with_score, with_res
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_heads_score_and_write_unit_give_the_heads_output(dtype, triton_kernels):
+def test_heads_score_and_rope_write_give_the_heads_output(dtype, triton_kernels):
     """A retaining head on one row in one launch (partial sums over blocks of its hidden units, added up and
     rounded by rope_write) gives the head's own output: d_R and the input not multiples of the blocks."""
     from localchat.engine.heads import RetainingHead
