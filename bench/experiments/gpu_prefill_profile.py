@@ -9,7 +9,8 @@ Buckets, first match wins, on the names of the profiled ops and of two ranges th
   attention          scaled_dot_product / flash / efficient / cudnn attention
   copy/gather        copy_, gather, index ops, cat (cache writes)
   elementwise        the rest of aten's pointwise ops (RoPE, norms, activations)
-Marked ranges count their kernels once: the ops inside them are left out of the other buckets.
+Marked ranges count their kernels once: the ops inside them are left out of the other buckets. On a GPU a kernel
+goes to the bucket of the host op that launched it (bitsandbytes' and our attention kernels by their own names).
 
     python bench/experiments/gpu_prefill_profile.py --model DIR --weights nf4 --kv int8 --budget 16384 \\
         --length 32768 --out OUT
@@ -34,7 +35,6 @@ BUCKETS = [
     ("elementwise", r"aten::"),
 ]
 MARKS = {"retaining heads": "localchat.heads", "eviction": "localchat.evict"}
-TIMES = ("self_device_time_total", "device_time_total")  # on a CPU (a dry run): the CPU's, set in main
 
 
 def _mark(obj, name: str, label: str):
@@ -48,27 +48,45 @@ def _mark(obj, name: str, label: str):
     setattr(obj, name, marked)
 
 
-def _device_ms(event) -> float:
-    return getattr(event, TIMES[0], 0.0) / 1000
+def _bucket(name: str) -> str:
+    return next((b for b, pattern in BUCKETS if re.search(pattern, name)), "other")
 
 
-def buckets(events) -> dict[str, float]:
-    """Device milliseconds per bucket from `key_averages()` rows."""
+def _marked(event) -> str | None:
+    """The mark this host event runs inside (itself included), if any."""
+    while event is not None:
+        if event.name in MARKS.values():
+            return event.name
+        event = event.cpu_parent
+    return None
+
+
+def buckets(events, on_device: bool) -> dict[str, float]:
+    """Milliseconds per bucket from the profiler's event tree (`prof.events()`).
+
+    On a GPU each host op's own kernels go to the op's bucket (a kernel whose name matches a bucket, such as
+    bitsandbytes' dequantization, to that one); kernels no host op launched go to "other". On a CPU each op's
+    self time goes to its bucket. A marked range counts everything under it, once."""
     out = {name: 0.0 for name in [*MARKS, *(b for b, _ in BUCKETS), "other"]}
-    for label, mark in MARKS.items():
-        out[label] = sum(getattr(e, TIMES[1], 0.0) for e in events if e.key == mark) / 1000
-    inside = sum(out[label] for label in MARKS)
+    label = {mark: name for name, mark in MARKS.items()}
+    attached = 0.0
     for e in events:
-        if e.key in MARKS.values():
+        if e.device_type != torch.autograd.DeviceType.CPU or e.is_async:
             continue
-        ms = _device_ms(e)
-        bucket = next((b for b, pattern in BUCKETS if re.search(pattern, e.key)), "other")
-        out[bucket] += ms
-    # the marked ranges' kernels were also counted by op: take them out of the op buckets, largest first
-    for b in sorted((b for b, _ in BUCKETS), key=lambda b: -out[b]):
-        take = min(out[b], inside)
-        out[b] -= take
-        inside -= take
+        mark = _marked(e)
+        if on_device:
+            for k in e.kernels:
+                attached += k.duration
+                bucket = label[mark] if mark else _bucket(k.name)
+                out[bucket if bucket != "other" else _bucket(e.name)] += k.duration / 1000
+        elif mark is None:
+            out[_bucket(e.name)] += e.self_cpu_time_total / 1000
+        elif e.name == mark and _marked(e.cpu_parent) is None:
+            out[label[mark]] += e.cpu_time_total / 1000
+    if on_device:  # kernels launched outside any host op (a Triton launch from Python, say)
+        kernels = sum(e.device_time_total for e in events
+                      if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation)
+        out["other"] += max(kernels - attached, 0.0) / 1000
     return out
 
 
@@ -118,18 +136,18 @@ def main(argv=None) -> None:
     wall = read(engine, ids, 1)
     _mark(heads_mod.HeadScorer, "_run", MARKS["retaining heads"])
     _mark(prefill_mod, "evict", MARKS["eviction"])
-    global TIMES
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    if engine.device.type != "cuda":
-        TIMES = ("self_cpu_time_total", "cpu_time_total")
+    on_device = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
         read(engine, ids, 1)
-        if engine.device.type == "cuda":
+        if on_device:
             torch.cuda.synchronize()
     profiled_s = time.perf_counter() - t0
-    events = prof.key_averages()
-    split = buckets(events)
+    split = buckets(prof.events(), on_device)
+    own = "self_device_time_total" if on_device else "self_cpu_time_total"
+    ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    ops.sort(key=lambda e: getattr(e, own), reverse=True)
     total = sum(split.values())
     result = {
         "command": "python bench/experiments/gpu_prefill_profile.py " + " ".join(argv or __import__("sys").argv[1:]),
@@ -138,8 +156,7 @@ def main(argv=None) -> None:
         "profiled_s": round(profiled_s, 3), "device_ms": round(total, 3),
         "busy_share": round(total / 1000 / profiled_s, 3) if profiled_s else None,
         "buckets_ms": {k: round(v, 3) for k, v in split.items()},
-        "top_ops": [(e.key, e.count, round(_device_ms(e), 1))
-                    for e in sorted(events, key=_device_ms, reverse=True)[:15]],
+        "top_ops": [(e.key, e.count, round(getattr(e, own) / 1000, 1)) for e in ops[:15]],
         "setup": vars(args),
     }
     out = Path(args.out)

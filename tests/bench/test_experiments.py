@@ -144,6 +144,44 @@ def test_gpu_prefill_profile_buckets_a_read(tmp_path: Path, monkeypatch) -> None
     assert abs(sum(split.values()) - result["device_ms"]) < 1.0 and result["prefill_tok_s"] > 0
 
 
+def test_gpu_prefill_profile_puts_each_kernel_in_its_launchers_bucket() -> None:
+    """On a GPU the buckets come from the kernels: each in its host op's bucket (a dequantization kernel by its own
+    name), everything under a mark once in the mark's, and a kernel no op launched in "other". The tree is built
+    from torch's own profiler events, as `prof.events()` gives them."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    script = load(EXPERIMENTS / "gpu_prefill_profile.py")
+
+    events = EventList()
+
+    def op(name, start, end, kernels=()):  # a host op, and each kernel it launched: on the op and as a device event
+        e = FunctionEvent(len(events), name, thread=1, start_us=start, end_us=end, use_device="cuda")
+        events.append(e)
+        for kernel, us in kernels:
+            e.append_kernel(kernel, 0, us)
+            device(kernel, us)
+
+    def device(name, us):
+        events.append(FunctionEvent(len(events), name, thread=2, start_us=200, end_us=200 + us, use_device="cuda",
+                                    device_type=DeviceType.CUDA))
+
+    op("aten::mm", 0, 10, [("sm90_gemm", 400)])
+    op("aten::linear", 20, 40)
+    op("aten::mm", 21, 30, [("kDequantize", 100), ("sm90_gemm", 300)])
+    op("localchat.heads", 50, 90)
+    op("aten::mm", 51, 60, [("sm90_gemm", 50)])
+    op("aten::add", 61, 70, [("add_kernel", 20)])
+    op("aten::index_select", 100, 110, [("index_kernel", 30)])
+    device("triton_kernel", 10)
+    events._build_tree()
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    assert host[2].cpu_parent is host[1] and host[4].cpu_parent is host[3] and host[5].cpu_parent is host[3]
+    split = script.buckets(events, on_device=True)
+    assert split == pytest.approx({"retaining heads": 0.07, "eviction": 0.0, "nf4 dequantize": 0.1, "matmul": 0.7,
+                                   "attention": 0.0, "copy/gather": 0.03, "elementwise": 0.0, "other": 0.01})
+
+
 def test_gpu_attn_times_every_cache_and_kernel_version(tmp_path: Path, monkeypatch) -> None:
     """The decode-attention timer, rehearsed under Triton's interpreter: a row per cache, kernel file and split
     target, and every version gives the same attention."""
