@@ -182,6 +182,26 @@ def test_gpu_prefill_profile_puts_each_kernel_in_its_launchers_bucket() -> None:
                                    "attention": 0.0, "copy/gather": 0.03, "elementwise": 0.0, "other": 0.01})
 
 
+def test_gpu_weights_times_each_precision_and_says_why_not(tmp_path: Path) -> None:
+    """The weight products' timer, rehearsed on a CPU at SmolLM2's shape: a row per precision with its kernel,
+    bytes and a small error against bf16; int4 reads about a quarter of bf16's layer bytes; a precision that
+    cannot run gets a row saying why."""
+    import json
+
+    script = load(EXPERIMENTS / "gpu_weights.py")
+    config = Path(__file__).resolve().parents[1] / "data" / "configs" / "smollm2-135m-instruct.json"
+    script.main(["--config", str(config), "--layers", "1", "--repeat", "2", "--weights", "bf16,int4,int8,fp7",
+                 "--out", str(tmp_path / "w.json")])
+    rows = {r["weights"]: r for r in json.loads((tmp_path / "w.json").read_text())["rows"]}
+    assert rows["bf16"]["kernel"] == "Linear" and rows["int4"]["kernel"] == "PackedLinear"
+    assert all(rows[w]["ms_per_token"] > 0 and rows[w]["gb_s"] > 0 for w in ("bf16", "int4", "int8"))
+    assert rows["bf16"]["rel_error"] < 0.01 and rows["int8"]["rel_error"] < 0.03 and rows["int4"]["rel_error"] < 0.15
+    head = 49152 * 576 * 2  # the bf16 output layer, the same in every row
+    assert 0.2 < (rows["int4"]["bytes"] - head) / (rows["bf16"]["bytes"] - head) < 0.35
+    assert "fp7" in rows["fp7"]["error"]
+    assert "| fp7 | not run:" in (tmp_path / "w.md").read_text()
+
+
 def test_gpu_attn_times_every_cache_and_kernel_version(tmp_path: Path, monkeypatch) -> None:
     """The decode-attention timer, rehearsed under Triton's interpreter: a row per cache, kernel file and split
     target, and every version gives the same attention."""

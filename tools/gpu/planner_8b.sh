@@ -12,7 +12,8 @@
 # phi-3-mini-128k-instruct" (configs in tests/data/configs); MODELS_DIR (default OUT/models); TOKENIZER (a folder: the random models' tokenizer,
 # where the default model is not installed); CAPS="24 12 8" (GB, LOCALCHAT_GPU_MEMORY_GB: the
 # allocator is capped there to stand for an RTX 4090 / 4070 / 4060); LENGTHS="32768 65536 98304 131072" (full
-# attention's failure search); LEN3, LEN6, LEN7 (the lengths of steps 3, 6, 7); BIG; PY (default python3).
+# attention's failure search); LEN3, LEN6, LEN7 (the lengths of steps 3, 6, 7); WLAYERS (step 10's layers; a
+# rehearsal's); BIG; PY (default python3).
 #   step 0  environment, nvidia-smi, versions
 #   step 1  `localchat bench random-model` per model and SmolLM2-135M (bf16, all layers; ~2-3 min and 16 GB of disk
 #           for the 8B)
@@ -27,10 +28,14 @@
 #   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay (fused ops and not) vs eager step vs forward
 #           with nf4 weights (bench/experiments/gpu_decode.py); the same for SmolLM2-135M (b=1024, bf16 cache); with
 #           step 8's fastest split kernel for the cache (gpu_attn.py --best), the default where step 8 did not run
-#   step 9  the same through the graph with bf16 and int8 (LLM.int8) weights (the planner's speed table)
+#   step 9  the same through the graph with bf16, int4 (quanto) and int8 (LLM.int8) weights (the planner's speed
+#           table)
 #   step 8  decode attention alone at the 8B's and SmolLM2's shapes (bench/experiments/gpu_attn.py: the split
 #           kernel's ways, split targets and the dot way's blocks; KERNELS: other versions of
 #           kernels/_qattn_triton.py to time beside the tree's, files in the tree)
+#   step 10 one token's weight products alone at the 8B's shape, by precision: bf16, nf4 (bitsandbytes), int4
+#           (optimum-quanto: torch's tinygemm), int8 (LLM.int8); GB/s against the device's copy bandwidth
+#           (bench/experiments/gpu_weights.py; about a minute, no model needed)
 #   step 7  where a 16K (LEN7) LOCRET prefill's GPU time goes, 8B nf4 at b=16,384 (bench/experiments/gpu_prefill_profile.py)
 
 set -o pipefail
@@ -40,7 +45,7 @@ cd "$(dirname "$0")/../.." || exit 1
 PY=${PY:-python3}
 . tools/gpu/env.sh
 DRY=${DRY:-0}
-STEPS=${STEPS:-"0 8 1 6 3 7 5 9 2 4"}
+STEPS=${STEPS:-"0 8 10 1 6 3 7 5 9 2 4"}
 MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
 CAPS=${CAPS:-"24 12 8"}
 LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
@@ -122,9 +127,11 @@ for step in $STEPS; do case $step in
    run "$OUT/attn-$SMALL.txt" $PY bench/experiments/gpu_attn.py --units 1167 --q-heads 9 --kv-heads 3 --head-dim 64 \
        --layers 30 --programs 264,528 --dot-blocks 32,64 --caches 0 ${KERNELS:+--kernels $KERNELS} \
        --out "$OUT/attn-$SMALL.json" ;;
-9) run "$OUT/decode-$BIG-bf16-int8.txt" $PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128 \
-       --model "$MODELS_DIR/$BIG" --weights bf16,int8 --ways graph --budget 16384 --kv int8 \
-       $($PY bench/experiments/gpu_attn.py --best "$OUT/attn-$BIG.json" --bits 8) --out "$OUT/decode-$BIG-bf16-int8" ;;
+9) run "$OUT/decode-$BIG-bf16-int4-int8.txt" $PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128 \
+       --model "$MODELS_DIR/$BIG" --weights bf16,int4,int8 --ways graph --budget 16384 --kv int8 \
+       $($PY bench/experiments/gpu_attn.py --best "$OUT/attn-$BIG.json" --bits 8) --out "$OUT/decode-$BIG-bf16-int4-int8" ;;
+10) run "$OUT/weights-$BIG.txt" $PY bench/experiments/gpu_weights.py --config "tests/data/configs/$BIG.json" \
+       --weights bf16,nf4,int4,int8 ${WLAYERS:+--layers $WLAYERS} --out "$OUT/weights-$BIG.json" ;;
 7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$MODELS_DIR/$BIG" \
        --weights nf4 --kv int8 --budget 16384 --length ${LEN7:-16384} --out "$OUT/prefill-profile-$BIG" ;;
 esac; done
