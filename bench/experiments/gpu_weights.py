@@ -9,6 +9,7 @@ at full precision). One token's products through all of them:
   nf4    bitsandbytes Linear4bit: nf4, double quantization, bf16 compute (engine/quantize.py's BitsAndBytesConfig)
   int8   CUDA: bitsandbytes Linear8bitLt (LLM.int8, fp16); CPU: kernels/packed.py's int8 rows
   int4   CUDA: optimum-quanto qint4, frozen (torch's tinygemm int4 at bf16); CPU: kernels/packed.py's int4
+  int4-fp16  CUDA: the same at fp16, where quanto takes its AWQ kernels instead (not an app choice: a comparison)
 On CUDA the time is that of a replayed CUDA graph of the products (as inside the captured decode step; the wall
 time, launches included, beside it), else the wall time. Per row: ms per token (all layers, and the output layer's share), the bytes of weights read, GB/s
 and their share of the device's copy bandwidth (a large device copy, read + write), the decode rate if a step
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-WEIGHTS = ("bf16", "nf4", "int4", "int8")
+WEIGHTS = ("bf16", "nf4", "int4", "int8", "int4-fp16")
+HALF = ("int8", "int4-fp16")  # computed in fp16 on CUDA
 
 
 def shapes(config: dict) -> list[tuple[str, int, int]]:
@@ -61,12 +63,14 @@ def convert(linear: torch.nn.Linear, weights: str, dev: torch.device) -> torch.n
             out.weight = bnb.nn.Int8Params(w.half(), requires_grad=False, has_fp16_weights=False)
         return out.to(dev)  # bitsandbytes quantizes when the parameter is moved
     if dev.type == "cpu":
+        if weights == "int4-fp16":
+            raise ValueError("int4-fp16 compares quanto's CUDA kernels; a CPU has none")
         from localchat.kernels.packed import PackedLinear
 
         return PackedLinear(linear, 8 if weights == "int8" else 4)
     from optimum.quanto import freeze, qint4, quantize
 
-    holder = torch.nn.Sequential(linear)
+    holder = torch.nn.Sequential(linear.half() if weights == "int4-fp16" else linear)
     with torch.inference_mode():
         quantize(holder, weights=qint4)
         freeze(holder)
@@ -87,7 +91,7 @@ def build(config: dict, layers: int, weights: str, dev: torch.device, seed: int)
             if reference is not None:
                 x = torch.randn(1, n_in, device=dev, generator=gen).to(torch.bfloat16)
                 with torch.inference_mode():
-                    got = module(x.half() if weights == "int8" and dev.type == "cuda" else x).float()
+                    got = module(x.half() if weights in HALF and dev.type == "cuda" else x).float()
                 want = x.float() @ reference.T
                 error = float((got - want).norm() / want.norm())
             modules.append(module)
@@ -160,7 +164,7 @@ def row(config: dict, layers: int, weights: str, dev: torch.device, repeat: int,
         modules, head, error = build(config, layers, weights, dev, seed=0)
     except Exception as exc:  # noqa: BLE001 - a precision this machine cannot run: the row says why
         return {"weights": weights, "error": _why(exc)}
-    act = torch.float16 if weights == "int8" and dev.type == "cuda" else torch.bfloat16
+    act = torch.float16 if weights in HALF and dev.type == "cuda" else torch.bfloat16
     inputs = {n: torch.randn(1, n, device=dev).to(act) for n in {m.in_features for m in modules}}
     hidden = torch.randn(1, config["hidden_size"], device=dev, dtype=torch.bfloat16)
 

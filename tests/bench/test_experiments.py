@@ -190,7 +190,7 @@ def test_gpu_weights_times_each_precision_and_says_why_not(tmp_path: Path) -> No
 
     script = load(EXPERIMENTS / "gpu_weights.py")
     config = Path(__file__).resolve().parents[1] / "data" / "configs" / "smollm2-135m-instruct.json"
-    script.main(["--config", str(config), "--layers", "1", "--repeat", "2", "--weights", "bf16,int4,int8,fp7",
+    script.main(["--config", str(config), "--layers", "1", "--repeat", "2", "--weights", "bf16,int4,int8,fp7,int4-fp16",
                  "--out", str(tmp_path / "w.json")])
     rows = {r["weights"]: r for r in json.loads((tmp_path / "w.json").read_text())["rows"]}
     assert rows["bf16"]["kernel"] == "Linear" and rows["int4"]["kernel"] == "PackedLinear"
@@ -198,7 +198,7 @@ def test_gpu_weights_times_each_precision_and_says_why_not(tmp_path: Path) -> No
     assert rows["bf16"]["rel_error"] < 0.01 and rows["int8"]["rel_error"] < 0.03 and rows["int4"]["rel_error"] < 0.15
     head = 49152 * 576 * 2  # the bf16 output layer, the same in every row
     assert 0.2 < (rows["int4"]["bytes"] - head) / (rows["bf16"]["bytes"] - head) < 0.35
-    assert "fp7" in rows["fp7"]["error"]
+    assert "fp7" in rows["fp7"]["error"] and "CUDA" in rows["int4-fp16"]["error"]
     assert "| fp7 | not run:" in (tmp_path / "w.md").read_text()
 
 
