@@ -84,6 +84,9 @@ MAX_SPLITS = 127
 WAY = "group"
 WAYS = {"group": "qattn_group_kernel", "dot": "qattn_dot_kernel", "head": "qattn_split_kernel"}
 DOT_BLOCK = 64  # units a block in qattn_dot_kernel
+# Warps a split kernel's program. 4 (Triton's default) leaves the quantized caches' kernels at 243-255 registers a
+# thread for the 8B's heads (tools/gpu/compile_check.py): two programs an SM; 8 spreads the same tiles thinner
+WARPS = 4
 
 
 def _kernels():
@@ -150,6 +153,7 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
         kz.stride(2), vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
         tail_k.stride(1), tail_k.stride(2), tail_v.stride(1), tail_v.stride(2),
         Q_PER_KV=h_q // h, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=in_memory, **sizes,
+        num_warps=WARPS,
     )
     out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
     k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs),

@@ -5,9 +5,9 @@ kernel's ways (`--ways`: kernels/qattn.py's WAY) and split targets (`--programs`
 
     python bench/experiments/gpu_attn.py [--units 16527] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
         [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--ways group,dot,head]
-        [--dot-blocks 32,64] [--caches 8r,8,4r,0] [--out OUT.json]
+        [--dot-blocks 32,64] [--warps 4,8] [--caches 8r,8,4r,0] [--out OUT.json]
 `--best FILE --bits 8`: print the fastest row's settings in FILE (this script's --out) for that cache, as
-gpu_decode.py's flags (--attn-way, --attn-block, --attn-programs); nothing when FILE has no such row.
+gpu_decode.py's flags (--attn-way, --attn-block, --attn-programs, --attn-warps); nothing when FILE has no such row.
 `--kernels FILE`: also time another version of kernels/_qattn_triton.py (an A/B in one process). Random cache
 contents (speed only). On a CPU the Triton interpreter runs it (a dry run: set TRITON_INTERPRET=1, tiny shapes).
 """
@@ -79,7 +79,8 @@ def best_flags(path: str, bits: int) -> str:
     if not rows:
         return ""
     r = min(rows, key=lambda r: r["ms_per_token"])
-    return f"--attn-way {r['way']} --attn-block {r['block'] or qattn.DOT_BLOCK} --attn-programs {r['programs']}"
+    return (f"--attn-way {r['way']} --attn-block {r['block'] or qattn.DOT_BLOCK} --attn-programs {r['programs']} "
+            f"--attn-warps {r.get('warps', qattn.WARPS)}")
 
 
 def main(argv=None) -> None:
@@ -98,6 +99,7 @@ def main(argv=None) -> None:
                    help="qattn.WAY values to time: group (one program per KV head and split), dot (the same on tensor "
                         "cores), head (one program per query head)")
     p.add_argument("--dot-blocks", default=str(qattn.DOT_BLOCK), help="qattn.DOT_BLOCK values to time (the dot way)")
+    p.add_argument("--warps", default=str(qattn.WARPS), help="qattn.WARPS values to time (warps a program)")
     p.add_argument("--caches", default="8r,8,4r,0",
                    help="caches to time: bits (8, 4, 0 = bf16), r = keys rotated in the kernel (the engine's way)")
     p.add_argument("--out")
@@ -119,24 +121,25 @@ def main(argv=None) -> None:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         versions[path] = mod
-    rows, defaults = [], (qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK)
-    configs = [(way, int(b), int(p)) for way in args.ways.split(",")
+    rows, defaults = [], (qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK, qattn.WARPS)
+    configs = [(way, int(b), int(p), int(w)) for way in args.ways.split(",")
                for b in (args.dot_blocks.split(",") if way == "dot" else [qattn.DOT_BLOCK])
-               for p in args.programs.split(",")]
+               for p in args.programs.split(",") for w in args.warps.split(",")]
     for bits, rotate in [(int(c.rstrip("r")), c.endswith("r")) for c in args.caches.split(",")]:
         main_ = cache(h, n, d, bits, dev)
         tails = (tk, tv) if bits else (None, None)
         size = sum(t.numel() * t.element_size() for t in main_.values())
         first = None
         for name, mod in versions.items():
-            for way, block, programs in configs:
+            for way, block, programs, warps in configs:
                 if not hasattr(mod, qattn.WAYS[way]):
                     continue  # an older kernels file without this way
                 qattn._KERNELS, qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = mod, way, block, programs
+                qattn.WARPS = warps
                 call = lambda: graph_attn.attention_triton(q, main_, *tails, lens, bits, group_size(d), d**-0.5,  # noqa: E731
                                                            inv if rotate else None)
                 row = {"kernels": name, "way": way, "block": block if way == "dot" else None,
-                       "programs": programs, "bits": bits, "rotate": rotate}
+                       "programs": programs, "warps": warps, "bits": bits, "rotate": rotate}
                 try:
                     out = call().float()
                     wall, gpu = timed(call, args.repeat, dev)
@@ -151,7 +154,7 @@ def main(argv=None) -> None:
                              "cache_gb_per_s": round(size / (gpu or wall) / 1e6, 1),
                              "max_diff_from_first": float((out - first).abs().max())})
                 print(json.dumps(rows[-1]), flush=True)
-    qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK = defaults
+    qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK, qattn.WARPS = defaults
     qattn._KERNELS = versions["tree"]
     result = {"rows": rows, "setup": vars(args), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
               "torch": torch.__version__}

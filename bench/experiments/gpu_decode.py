@@ -14,7 +14,8 @@ back-to-back replays, over the steady time per token) over the wall time per tok
 run) the graph way is not taken and its row says so.
 
     python bench/experiments/gpu_decode.py --model DIR --weights nf4,bf16,int8 --out OUT
-        [--attn-way dot --attn-block 64 --attn-programs 1056]   # the split kernel's settings (kernels/qattn.py)
+        [--attn-way dot --attn-block 64 --attn-programs 1056 --attn-warps 8]   # the split kernel's settings
+                                                                            # (kernels/qattn.py)
 Writes OUT/gpu_decode.json and OUT/gpu_decode.md.
 """
 
@@ -127,12 +128,13 @@ def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
 
 
 def measure(args) -> dict:
-    defaults = qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS
+    defaults = qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS, qattn.WARPS
     qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = args.attn_way, args.attn_block, args.attn_programs
+    qattn.WARPS = args.attn_warps
     try:
         return _measure(args)
     finally:
-        qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = defaults
+        qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS, qattn.WARPS = defaults
 
 
 def _measure(args) -> dict:
@@ -206,7 +208,8 @@ def markdown(result: dict) -> str:
              "", f"Command: `{s['command']}` (commit {result['commit']})", "",
              f"LOCRET b={s['budget']}, --kv {s['kv']}, random heads d_R={s['d_r']}, {s['length']:,} random tokens "
              f"read once, then {s['tokens']} greedy tokens on a copy of the cache per way. Decode attention: the "
-             f"{s['attn_way']} split kernel, {s['attn_programs']} programs targeted"
+             f"{s['attn_way']} split kernel, {s['attn_programs']} programs targeted, "
+             f"{s.get('attn_warps', 4)} warps each"
              + (f", blocks of {s['attn_block']} units." if s["attn_way"] == "dot" else "."), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |" for r in result["rows"]]
@@ -230,6 +233,7 @@ def main(argv=None) -> None:
     p.add_argument("--attn-way", default=qattn.WAY, choices=list(qattn.WAYS), help="the split kernel (qattn.WAY)")
     p.add_argument("--attn-block", type=int, default=qattn.DOT_BLOCK, help="units a block, the dot way's")
     p.add_argument("--attn-programs", type=int, default=qattn.TARGET_PROGRAMS, help="the split planner's target")
+    p.add_argument("--attn-warps", type=int, default=qattn.WARPS, help="warps a split kernel's program")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.command = "python bench/experiments/gpu_decode.py " + " ".join(argv or __import__("sys").argv[1:])

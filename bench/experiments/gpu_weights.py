@@ -11,9 +11,10 @@ at full precision). One token's products through all of them:
   int4   CUDA: optimum-quanto qint4, frozen (torch's tinygemm int4 at bf16); CPU: kernels/packed.py's int4
   int4-fp16  CUDA: the same at fp16, where quanto takes its AWQ kernels instead (not an app choice: a comparison)
 On CUDA the time is that of a replayed CUDA graph of the products (as inside the captured decode step; the wall
-time, launches included, beside it), else the wall time. Per row: ms per token (all layers, and the output layer's share), the bytes of weights read, GB/s
-and their share of the device's copy bandwidth (a large device copy, read + write), the decode rate if a step
-were these products alone, and one product's relative error against its bf16 weights (a broken path shows).
+time, launches included, beside it), else the wall time. Per row: ms per token (all layers, and the output
+layer's share), the bytes of weights read, GB/s and their share of the device's copy bandwidth (a large device
+copy, read + write), the decode rate if a step were these products alone, and one product's relative error
+against its bf16 weights (a broken path shows).
 A precision that cannot run here (no bitsandbytes, no CUDA build of it) gets a row that says why.
 
     python bench/experiments/gpu_weights.py --config tests/data/configs/llama-3.1-8b-instruct.json \\
@@ -217,8 +218,9 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    timing = ("a replayed CUDA graph where it could be captured (else the wall time, the row says)" if dev.type == "cuda"
-              else "median wall time")
+    timing = "median wall time"
+    if dev.type == "cuda":
+        timing = "a replayed CUDA graph where it could be captured (else the wall time, the row says)"
     lines = [f"# One decoded token's weight products: {Path(args.config).stem}, {layers} layers + the output layer, "
              f"on {device} (random weights, speed only)", "", f"Command: `{command}`", "",
              f"Time: {timing}. Copy bandwidth here (read + write): {peak:,.0f} GB/s.", "",

@@ -203,8 +203,8 @@ def test_gpu_weights_times_each_precision_and_says_why_not(tmp_path: Path) -> No
 
 
 def test_gpu_attn_times_every_cache_and_kernel_version(tmp_path: Path, monkeypatch) -> None:
-    """The decode-attention timer, rehearsed under Triton's interpreter: a row per cache, kernel file and split
-    target, and every version gives the same attention."""
+    """The decode-attention timer, rehearsed under Triton's interpreter: a row per cache, kernel file, split
+    target and warps, and every version gives the same attention."""
     import json
 
     from localchat.kernels import qattn
@@ -213,17 +213,19 @@ def test_gpu_attn_times_every_cache_and_kernel_version(tmp_path: Path, monkeypat
     kernel_file = Path(qattn.__file__).with_name("_qattn_triton.py")
     script.main(["--units", "40", "--tail", "3", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
                  "--layers", "2", "--repeat", "1", "--kernels", str(kernel_file), "--programs", "4,64",
-                 "--ways", "group,dot", "--dot-blocks", "16,32", "--out", str(tmp_path / "attn.json")])
+                 "--ways", "group,dot", "--dot-blocks", "16,32", "--warps", "4,8",
+                 "--out", str(tmp_path / "attn.json")])
     rows = json.loads((tmp_path / "attn.json").read_text())["rows"]
-    assert len(rows) == 4 * 2 * (1 + 2) * 2 and {r["programs"] for r in rows} == {4, 64}
+    assert len(rows) == 4 * 2 * (1 + 2) * 2 * 2 and {r["programs"] for r in rows} == {4, 64}
+    assert {r["warps"] for r in rows} == {4, 8}
     assert {(r["way"], r["block"]) for r in rows} == {("group", None), ("dot", 16), ("dot", 32)}
     assert {r["kernels"] for r in rows} == {"tree", str(kernel_file)}
     assert all(r["max_diff_from_first"] < 1e-2 and r["ms_per_call"] > 0 for r in rows)
-    assert (qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK) == (264, "group", 64)
+    assert (qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK, qattn.WARPS) == (264, "group", 64, 4)
     assert qattn._KERNELS.__name__.endswith("_qattn_triton")
     # gpu_decode's flags for the fastest row of the tree's kernels per cache; nothing without the file
     fastest = min((r for r in rows if r["kernels"] == "tree" and r["bits"] == 8 and r["rotate"]),
                   key=lambda r: r["ms_per_token"])
     flags = script.best_flags(str(tmp_path / "attn.json"), 8).split()
-    assert flags[1::2] == [fastest["way"], str(fastest["block"] or 64), str(fastest["programs"])]
+    assert flags[1::2] == [fastest["way"], str(fastest["block"] or 64), str(fastest["programs"]), str(fastest["warps"])]
     assert script.best_flags(str(tmp_path / "missing.json"), 8) == ""

@@ -31,7 +31,7 @@
 #   step 9  the same through the graph with bf16, int4 (quanto) and int8 (LLM.int8) weights (the planner's speed
 #           table)
 #   step 8  decode attention alone at the 8B's and SmolLM2's shapes (bench/experiments/gpu_attn.py: the split
-#           kernel's ways, split targets and the dot way's blocks; KERNELS: other versions of
+#           kernel's ways, split targets, warps a program and the dot way's blocks; KERNELS: other versions of
 #           kernels/_qattn_triton.py to time beside the tree's, files in the tree)
 #   step 10 one token's weight products alone at the 8B's shape, by precision: bf16, nf4 (bitsandbytes), int4
 #           (optimum-quanto: torch's tinygemm; at fp16 its AWQ kernels), int8 (LLM.int8); GB/s against the
@@ -123,10 +123,10 @@ for step in $STEPS; do case $step in
    done
    run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
        $($BEST "$OUT/attn-$SMALL.json" --bits 0) --out "$OUT/decode-$SMALL" ;;
-8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 --dot-blocks 32,64 \
+8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 --dot-blocks 32,64 --warps 4,8 \
        --caches 8r,0 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
    run "$OUT/attn-$SMALL.txt" $PY bench/experiments/gpu_attn.py --units 1167 --q-heads 9 --kv-heads 3 --head-dim 64 \
-       --layers 30 --programs 264,528 --dot-blocks 32,64 --caches 0 ${KERNELS:+--kernels $KERNELS} \
+       --layers 30 --programs 264,528 --dot-blocks 32,64 --warps 4,8 --caches 0 ${KERNELS:+--kernels $KERNELS} \
        --out "$OUT/attn-$SMALL.json" ;;
 9) run "$OUT/decode-$BIG-bf16-int4-int8.txt" $PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128 \
        --model "$MODELS_DIR/$BIG" --weights bf16,int4,int8 --ways graph --budget 16384 --kv int8 \

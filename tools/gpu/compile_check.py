@@ -1,0 +1,353 @@
+"""Compile every Triton kernel of the GPU's paths for real GPUs, on a machine without one.
+
+Triton's interpreter (the CPU tests) runs a kernel's Python; it does not compile it, so a kernel can pass every
+CPU test and fail to compile on the GPU (a loop-carried value that changes type, a `tl.dot` tile under 16, a
+constexpr the compiler refuses), or compile and spill registers. This script runs the app's own code on the CPU
+with the kernels interpreted, and compiles each launch, with the same arguments, to the GPU's machine code
+(Triton's compiler and its bundled ptxas, for the `--targets` architectures; no GPU, no driver):
+
+  1. the engine on a model of `--config`'s shape (random weights, `--layers` layers, bf16 as on a GPU), LOCRET
+     with retaining heads of the release's shape (d_R = 1,024): a chunked read with eviction, then tokens decoded
+     through the captured decode step's body, per `--kv` cache and split kernel way (`--ways`);
+  2. decode attention alone at a long cache (`--units`, as after a 128K read at b = 16,384) in each way, block
+     and warps a program (`--warps`), compiled only.
+
+It prints a row per compiled kernel and target: registers per thread, local memory (spills: > 0 is slow),
+shared memory, warps. Exit 1 when any launch fails to compile (the row says why).
+
+    python tools/gpu/compile_check.py [--config tests/data/configs/llama-3.1-8b-instruct.json]
+        [--targets 90,89,86] [--kv none,int8,int4] [--ways group,dot,head] [--warps 4,8] [--out FILE.json]
+Targets: 90 H100/H200, 89 RTX 4090/4060, 86 RTX 3090/3060 and A10, 80 A100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Triton reads this when imported: the child (--record) runs the app's kernels interpreted; this process compiles
+RECORDING = "--record" in sys.argv
+os.environ["TRITON_INTERPRET"] = "1" if RECORDING else "0"
+os.environ["LOCALCHAT_KERNELS"] = "triton"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = ("_qattn_triton", "_fused_triton", "_evict_triton")  # localchat.kernels' Triton files
+
+
+class Target(DriverBase):
+    """A driver that names a GPU architecture and has no device: enough for Triton to compile, never to launch."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def get_current_target(self):
+        return GPUTarget("cuda", self.arch, 32)
+
+    def get_current_device(self):
+        return self.arch  # Triton keeps a kernel cache per device: one per architecture
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def map_python_to_cpp_type(self, ty):
+        raise NotImplementedError
+
+    def get_benchmarker(self):
+        raise NotImplementedError
+
+    def get_device_interface(self):
+        raise NotImplementedError
+
+    def get_empty_cache_for_benchmark(self):
+        raise NotImplementedError
+
+    def clear_cache(self, cache):
+        pass
+
+
+def compiled_copy(path: Path, name: str):
+    """The kernels file at `path` imported with Triton's JIT, as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """REG, LOCAL (spill) and SHARED of a cubin's kernel, from the cuobjdump Triton bundles."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    out = {}
+    for field in text.split():
+        key, _, value = field.partition(":")
+        if key in ("REG", "LOCAL", "SHARED", "STACK") and value.isdigit():
+            out[key.lower()] = int(value)
+    return out
+
+
+def spec(value):
+    """What Triton specializes a launch argument on, as JSON: a tensor's dtype and 16-byte alignment, a scalar."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch."), "aligned": value.data_ptr() % 16 == 0}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise TypeError(f"a launch argument of type {type(value).__name__}")
+
+
+def rebuild(s):
+    """An argument that Triton specializes as it did the recorded one."""
+    if "tensor" not in s:
+        return s["value"]
+    t = torch.empty(64, dtype=getattr(torch, s["tensor"]))
+    return t if s["aligned"] else t[1:]
+
+
+class Recorder:
+    """Wraps the interpreter's launches: each one's kernel and arguments are recorded, once per specialization,
+    then it runs interpreted (or not, where `execute` is off: its results are not needed)."""
+
+    def __init__(self):
+        self.launches: dict[str, dict] = {}
+        self.execute = True
+        self.where = ""  # what the app was doing, for the rows
+        self._run = InterpretedFunction.run
+
+    def launch(self, fn, *args, grid, warmup, **kwargs):
+        record = {"module": fn.fn.__module__.rsplit(".", 1)[-1], "kernel": fn.fn.__name__,
+                  "args": [spec(a) for a in args], "kwargs": {k: spec(v) for k, v in kwargs.items()}}
+        self.launches.setdefault(json.dumps(record, sort_keys=True), {**record, "where": self.where})
+        if self.execute:
+            return self._run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+        return None
+
+    @contextlib.contextmanager
+    def installed(self):
+        recorder = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            return recorder.launch(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = run
+        try:
+            yield self
+        finally:
+            InterpretedFunction.run = self._run
+
+
+def compile_all(launches: list[dict], targets: list[int], files: dict[str, Path] | None = None) -> list[dict]:
+    """Each recorded launch compiled for each target, in a process that has not run the interpreter (it patches
+    triton.language while it runs); a row per distinct compiled kernel, or per failure. `files`: a kernels
+    module's file by name, where it is not localchat.kernels' own."""
+    copies: dict[str, object] = {}
+    rows: dict[tuple, dict] = {}
+    for launch in launches:
+        name = launch["module"]
+        if name not in copies:
+            path = (files or {}).get(name) or Path(importlib.util.find_spec(f"localchat.kernels.{name}").origin)
+            copies[name] = compiled_copy(path, f"compile_check_{name}")
+        twin = getattr(copies[name], launch["kernel"])
+        args = [rebuild(a) for a in launch["args"]]
+        kwargs = {k: rebuild(v) for k, v in launch["kwargs"].items()}
+        constexprs = _constexprs(twin, args, kwargs)
+        for arch in targets:
+            driver.set_active(Target(arch))  # left active: no real driver exists here to go back to
+            t0 = time.perf_counter()
+            base = {"kernel": launch["kernel"], "target": f"sm_{arch}", "where": launch["where"],
+                    "constexprs": constexprs}
+            try:
+                kernel = twin.warmup(*args, grid=(1,), **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the failure is the finding
+                rows.setdefault((launch["kernel"], arch, "error", constexprs),
+                                {**base, "error": f"{type(exc).__name__}: {_short(exc)}"})
+                continue
+            key = (launch["kernel"], arch, kernel.hash)
+            if key not in rows:
+                rows[key] = {**base, "warps": kernel.metadata.num_warps,
+                             "seconds": round(time.perf_counter() - t0, 2), **resources(kernel.asm["cubin"])}
+    return sorted(rows.values(), key=lambda r: (r["kernel"], r["target"], r["constexprs"]))
+
+
+def _short(exc: Exception) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return " | ".join(lines[-3:])[:400] if lines else ""
+
+
+def _constexprs(twin, args, kwargs) -> str:
+    values = dict(zip([p.name for p in twin.params], args)) | kwargs
+    return ",".join(f"{p.name}={values[p.name]}" for p in twin.params if p.is_constexpr and p.name in values)
+
+
+def tokenizer():
+    """A byte-level tokenizer (258 ids): the engine wants one; the kernels do not care which."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"})
+    return tok
+
+
+def model_of(config_path: str, layers: int, vocab: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**json.loads(Path(config_path).read_text()))
+    config.num_hidden_layers, config.vocab_size = layers, vocab
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
+
+
+def drive_engine(recorder: Recorder, model, tok, kv: str, way: str, read: int, budget: int) -> None:
+    """A LOCRET read with eviction and a few tokens through the captured step's body (eager on a CPU)."""
+    from localchat.engine.engine import Engine
+    from localchat.engine.heads import RetainingHeads
+    from localchat.engine.policies import make_policy
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.kernels import qattn
+
+    heads = RetainingHeads.random(model, d_r=1024).to(torch.bfloat16)
+    policy = make_policy("locret", budget=budget, stabilizers=16, local=32, heads=heads)
+    engine = Engine(model, tok, chunk=max(64, budget // 2), policy=policy, kv=kv)
+    Engine.GRAPH_DEVICES = ("cuda", "cpu")  # the captured step's body, run eagerly here
+    qattn.WAY = way
+    ids = torch.randint(3, len(tok) - 3, (read,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = engine.new_cache(read, 4)
+    recorder.where = f"engine kv={kv} way={way}"
+    for event in engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=3, ignore_eos=True)):
+        if type(event).__name__ == "Error":
+            raise SystemExit(f"error: {event.message}")
+    if engine._graph is None or engine._graph.reason:
+        raise SystemExit(f"the decode step was not taken ({kv}, {way}): nothing of it was compiled")
+
+
+def drive_attention(recorder: Recorder, config: dict, units: int, bits_list: list[int], ways: list[str],
+                    warps: list[int]) -> None:
+    """Decode attention alone over `units` units, at each warps a program (compiled, not run)."""
+    from localchat.kernels import graph_attn, qattn
+    from localchat.kernels.quant import group_size, quantize
+
+    hq, h = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    d = config.get("head_dim") or config["hidden_size"] // hq
+    q = torch.randn(1, hq, 1, d, dtype=torch.bfloat16)
+    tk, tv = (torch.randn(1, h, 64, d, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([units, 64])
+    inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    recorder.execute = False
+    for bits in bits_list:
+        if bits:
+            main = {}
+            for names in (("qk", "ks", "kz"), ("qv", "vs", "vz")):
+                main.update(zip(names, quantize(torch.randn(1, h, units, d), bits, group_size(d))))
+        else:
+            main = {name: torch.randn(1, h, units, d, dtype=torch.bfloat16) for name in ("k", "v")}
+        for way in ways:
+            for block in ((32, 64) if way == "dot" else (qattn.DOT_BLOCK,)):
+                for w in warps:
+                    qattn.WAY, qattn.DOT_BLOCK, qattn.WARPS = way, block, w
+                    recorder.where = f"attention {units} units, {bits or 16}-bit"
+                    graph_attn.attention_triton(q, main, *((tk, tv) if bits else (None, None)), lens, bits,
+                                                group_size(d), d ** -0.5, inv if bits else None)
+    qattn.WARPS = 4
+    recorder.execute = True
+
+
+def record(args) -> list[dict]:
+    """The app's launches on this CPU, interpreted (in a child process: see compile_all)."""
+    from localchat import kernels
+
+    kernels.reset_backend()
+    recorder = Recorder()
+    ways, kvs = args.ways.split(","), args.kv.split(",")
+    with recorder.installed():
+        tok = tokenizer()
+        model = model_of(args.config, args.layers, len(tok))
+        for kv in kvs:
+            for way in ways:
+                drive_engine(recorder, model, tok, kv, way, args.read, args.read // 3)
+        if args.units:
+            bits = sorted({0 if kv == "none" else int(kv[3:]) for kv in kvs}, reverse=True)
+            drive_attention(recorder, json.loads(Path(args.config).read_text()), args.units, bits, ways,
+                            [int(w) for w in args.warps.split(",")])
+    return list(recorder.launches.values())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "tests/data/configs/llama-3.1-8b-instruct.json"))
+    p.add_argument("--targets", default="90,89,86")
+    p.add_argument("--kv", default="none,int8,int4")
+    p.add_argument("--ways", default="group,dot,head")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--read", type=int, default=600, help="tokens the engine reads (its budget is a third of it)")
+    p.add_argument("--units", type=int, default=16527, help="decode attention alone over this many units (0: not)")
+    p.add_argument("--warps", default="4,8", help="warps a split kernel's program, for the attention alone")
+    p.add_argument("--out", help="FILE.json: the rows")
+    p.add_argument("--record", help=argparse.SUPPRESS)  # the child: write the launches to this file
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.record:
+        Path(args.record).write_text(json.dumps(record(args)))
+        return 0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = Path(tmp) / "launches.json"
+        child = subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                                "--record", str(launches)])
+        if child.returncode:
+            print(f"error: the app's run on the CPU failed (exit {child.returncode}); nothing compiled")
+            return child.returncode
+        recorded = json.loads(launches.read_text())
+    targets = [int(t) for t in args.targets.split(",")]
+    rows = compile_all(recorded, targets)
+    failed = [r for r in rows if "error" in r]
+    lines = [f"# Triton kernels compiled for {', '.join(f'sm_{t}' for t in targets)} on a CPU: "
+             f"{Path(args.config).stem}'s shapes", "",
+             f"{len(recorded)} launches recorded, {len(rows)} compiled kernels, {len(failed)} failed, "
+             f"{time.perf_counter() - t0:.0f} s. local > 0: registers spilled to memory.", "",
+             "| kernel | target | regs | local | shared | warps | constexprs | where |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {r['target']} | FAILED: {r['error']} | | | | {r['constexprs']} | "
+                         f"{r['where']} |")
+        else:
+            lines.append(f"| {r['kernel']} | {r['target']} | {r.get('reg')} | {r.get('local')} | {r.get('shared')} | "
+                         f"{r['warps']} | {r['constexprs']} | {r['where']} |")
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": args.config, "targets": targets, "rows": rows},
+                                             indent=2) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
