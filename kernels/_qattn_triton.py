@@ -16,23 +16,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _dequant(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, umask, BITS: tl.constexpr, G: tl.constexpr):
-    """Values `[BLOCK, D_PAD]` fp32 of the rows at c_row / s_row / z_row (pointer offsets)."""
+def _dequant(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, live, umask, BITS: tl.constexpr, G: tl.constexpr,
+             D: tl.constexpr):
+    """Values `[BLOCK, len(cols)]` fp32 of the rows at c_row / s_row / z_row (pointer offsets). A unit's scales
+    and zeros are loaded once per group, as `[BLOCK]` vectors, and spread over the group's columns: loaded per
+    column, they were two scalar loads for each value the codes give (at the 8B's shape with an int8 cache, the
+    dot way's 64-unit kernel had 360 global loads in its machine code, now 120: tools/gpu/compile_check.py)."""
     PER_BYTE: tl.constexpr = 8 // BITS
+    NG: tl.constexpr = D // G
     packed = tl.load(c_ptr + c_row[:, None] + (cols // PER_BYTE)[None, :], mask=umask, other=0).to(tl.int32)
-    codes = (packed >> ((cols % PER_BYTE) * BITS)[None, :]) & ((1 << BITS) - 1)
-    scale = tl.load(s_ptr + s_row[:, None] + (cols // G)[None, :], mask=umask, other=0.0).to(tl.float32)
-    zero = tl.load(z_ptr + z_row[:, None] + (cols // G)[None, :], mask=umask, other=0.0).to(tl.float32)
-    return codes.to(tl.float32) * scale + zero
+    codes = ((packed >> ((cols % PER_BYTE) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    if NG == 1:
+        scale = tl.load(s_ptr + s_row, mask=live, other=0.0).to(tl.float32)[:, None]
+        zero = tl.load(z_ptr + z_row, mask=live, other=0.0).to(tl.float32)[:, None]
+        return codes * scale + zero
+    group = (cols // G)[None, :]
+    scale = tl.zeros_like(codes)
+    zero = tl.zeros_like(codes)
+    for g in tl.static_range(NG):
+        scale = tl.where(group == g, tl.load(s_ptr + s_row + g, mask=live, other=0.0).to(tl.float32)[:, None], scale)
+        zero = tl.where(group == g, tl.load(z_ptr + z_row + g, mask=live, other=0.0).to(tl.float32)[:, None], zero)
+    return codes * scale + zero
 
 
 @triton.jit
-def _rows(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, umask, BITS: tl.constexpr, G: tl.constexpr):
-    """Keys or values `[BLOCK, D_PAD]` fp32: dequantized, or read as they are (BITS = 0)."""
+def _rows(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, live, umask, BITS: tl.constexpr, G: tl.constexpr,
+          D: tl.constexpr):
+    """Keys or values `[BLOCK, len(cols)]` fp32: dequantized, or read as they are (BITS = 0)."""
     if BITS == 0:
         x = tl.load(c_ptr + c_row[:, None] + cols[None, :], mask=umask, other=0.0).to(tl.float32)
     else:
-        x = _dequant(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, umask, BITS, G)
+        x = _dequant(c_ptr, s_ptr, z_ptr, c_row, s_row, z_row, cols, live, umask, BITS, G, D)
     return x
 
 
@@ -98,7 +112,7 @@ def qattn_split_kernel(
         live = units < q_stop
         umask = live[:, None] & cmask[None, :]
         k = _rows(kc_ptr, ks_ptr, kz_ptr, h * kc_h + units * kc_u, h * ks_h + units * ks_u,
-                  h * kz_h + units * kz_u, cols, umask, BITS, G)
+                  h * kz_h + units * kz_u, cols, live, umask, BITS, G, D)
         if ROTATE:
             cos_a, sin_a = _block_angles(first, cols, inv, cos_j, sin_j)
             s = tl.sum(k * (q[None, :] * cos_a - sign[None, :] * qp[None, :] * sin_a), axis=1)
@@ -109,7 +123,7 @@ def qattn_split_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
         v = _rows(vc_ptr, vs_ptr, vz_ptr, h * vc_h + units * vc_u, h * vs_h + units * vs_u,
-                  h * vz_h + units * vz_u, cols, umask, BITS, G)
+                  h * vz_h + units * vz_u, cols, live, umask, BITS, G, D)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
@@ -162,9 +176,9 @@ def qattn_group_kernel(
         live = units < q_stop
         umask = live[:, None] & cmask[None, :]
         k_rows, ks_rows, kz_rows = h * kc_h + units * kc_u, h * ks_h + units * ks_u, h * kz_h + units * kz_u
-        k = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, cols, umask, BITS, G)
+        k = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, cols, live, umask, BITS, G, D)
         if ROTATE:
-            kp = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, partner, umask, BITS, G)
+            kp = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, partner, live, umask, BITS, G, D)
             cos_a, sin_a = _block_angles(first, cols, inv, cos_j, sin_j)
             k = k * cos_a + sign[None, :] * kp * sin_a
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [QP, BLOCK]
@@ -173,7 +187,7 @@ def qattn_group_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         v = _rows(vc_ptr, vs_ptr, vz_ptr, h * vc_h + units * vc_u, h * vs_h + units * vs_u,
-                  h * vz_h + units * vz_u, cols, umask, BITS, G)
+                  h * vz_h + units * vz_u, cols, live, umask, BITS, G, D)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -270,14 +284,14 @@ def qattn_dot_kernel(
         live = units < q_stop
         umask = live[:, None] & cmask[None, :]
         k_rows, ks_rows, kz_rows = h * kc_h + units * kc_u, h * ks_h + units * ks_u, h * kz_h + units * kz_u
-        k1 = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, lo, umask, BITS, G)
-        k2 = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, hi, umask, BITS, G)
+        k1 = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, lo, live, umask, BITS, G, D)
+        k2 = _rows(kc_ptr, ks_ptr, kz_ptr, k_rows, ks_rows, kz_rows, hi, live, umask, BITS, G, D)
         if ROTATE:
             cos_a, sin_a = _block_angles(first, lo, inv, cos_j, sin_j)
             k1, k2 = k1 * cos_a - k2 * sin_a, k2 * cos_a + k1 * sin_a
         v_rows, vs_rows, vz_rows = h * vc_h + units * vc_u, h * vs_h + units * vs_u, h * vz_h + units * vz_u
-        v1 = _rows(vc_ptr, vs_ptr, vz_ptr, v_rows, vs_rows, vz_rows, lo, umask, BITS, G)
-        v2 = _rows(vc_ptr, vs_ptr, vz_ptr, v_rows, vs_rows, vz_rows, hi, umask, BITS, G)
+        v1 = _rows(vc_ptr, vs_ptr, vz_ptr, v_rows, vs_rows, vz_rows, lo, live, umask, BITS, G, D)
+        v2 = _rows(vc_ptr, vs_ptr, vz_ptr, v_rows, vs_rows, vz_rows, hi, live, umask, BITS, G, D)
         m_i, l_i, acc1, acc2 = _dot_block(q1, q2, k1, k2, v1, v2, live, m_i, l_i, acc1, acc2)
     for first in range(0, t_stop, BLOCK):  # the full-precision tail (keys already at their RoPE positions)
         units = first + tl.arange(0, BLOCK)

@@ -84,8 +84,9 @@ MAX_SPLITS = 127
 WAY = "group"
 WAYS = {"group": "qattn_group_kernel", "dot": "qattn_dot_kernel", "head": "qattn_split_kernel"}
 DOT_BLOCK = 64  # units a block in qattn_dot_kernel
-# Warps a split kernel's program. 4 (Triton's default) leaves the quantized caches' kernels at 243-255 registers a
-# thread for the 8B's heads (tools/gpu/compile_check.py): two programs an SM; 8 spreads the same tiles thinner
+# Warps a split kernel's program. At 4 (Triton's default) the int8 cache's kernels hold 168-252 registers a thread
+# for the 8B's heads, by way and block (tools/gpu/compile_check.py); 8 spreads the same tiles thinner (the dot way's
+# 32-unit block: 237 -> 128)
 WARPS = 4
 
 

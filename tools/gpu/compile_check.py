@@ -13,7 +13,8 @@ with the kernels interpreted, and compiles each launch, with the same arguments,
      and warps a program (`--warps`), compiled only.
 
 It prints a row per compiled kernel and target: registers per thread, local memory (spills: > 0 is slow),
-shared memory, warps. Exit 1 when any launch fails to compile (the row says why).
+shared memory, the global-memory load instructions in its machine code (LDG), warps. Exit 1 when any launch
+fails to compile (the row says why).
 
     python tools/gpu/compile_check.py [--config tests/data/configs/llama-3.1-8b-instruct.json]
         [--targets 90,89,86] [--kv none,int8,int4] [--ways group,dot,head] [--warps 4,8] [--out FILE.json]
@@ -27,6 +28,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -96,17 +98,20 @@ def compiled_copy(path: Path, name: str):
 
 
 def resources(cubin: bytes) -> dict[str, int]:
-    """REG, LOCAL (spill) and SHARED of a cubin's kernel, from the cuobjdump Triton bundles."""
+    """REG, LOCAL (spill) and SHARED of a cubin's kernel, from the cuobjdump Triton bundles, and its count of
+    global-memory load instructions in the machine code (`ldg`: a static measure of the load work)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
     out = {}
     for field in text.split():
         key, _, value = field.partition(":")
         if key in ("REG", "LOCAL", "SHARED", "STACK") and value.isdigit():
             out[key.lower()] = int(value)
+    out["ldg"] = len(re.findall(r"\bLDG\.", sass))
     return out
 
 
@@ -333,15 +338,15 @@ def main(argv=None) -> int:
              f"{Path(args.config).stem}'s shapes", "",
              f"{len(recorded)} launches recorded, {len(rows)} compiled kernels, {len(failed)} failed, "
              f"{time.perf_counter() - t0:.0f} s. local > 0: registers spilled to memory.", "",
-             "| kernel | target | regs | local | shared | warps | constexprs | where |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| kernel | target | regs | local | shared | LDG | warps | constexprs | where |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['target']} | FAILED: {r['error']} | | | | {r['constexprs']} | "
+            lines.append(f"| {r['kernel']} | {r['target']} | FAILED: {r['error']} | | | | | {r['constexprs']} | "
                          f"{r['where']} |")
         else:
             lines.append(f"| {r['kernel']} | {r['target']} | {r.get('reg')} | {r.get('local')} | {r.get('shared')} | "
-                         f"{r['warps']} | {r['constexprs']} | {r['where']} |")
+                         f"{r.get('ldg')} | {r['warps']} | {r['constexprs']} | {r['where']} |")
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text(json.dumps({"config": args.config, "targets": targets, "rows": rows},
