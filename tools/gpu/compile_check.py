@@ -208,17 +208,11 @@ def _constexprs(twin, args, kwargs) -> str:
 
 
 def tokenizer():
-    """A byte-level tokenizer (258 ids): the engine wants one; the kernels do not care which."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """The tests' byte-level tokenizer (258 ids): the engine wants one; the kernels do not care which."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny import tiny_tokenizer
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core)
-    tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"})
-    return tok
+    return tiny_tokenizer()
 
 
 def model_of(config_path: str, layers: int, vocab: int):
