@@ -343,7 +343,8 @@ def main(argv=None) -> int:
                          f"{r.get('ldg')} | {r['warps']} | {r['constexprs']} | {r['where']} |")
     print("\n".join(lines))
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": args.config, "targets": targets, "rows": rows},
+        config = os.path.relpath(args.config, ROOT) if Path(args.config).resolve().is_relative_to(ROOT) else args.config
+        Path(args.out).write_text(json.dumps({"config": config, "targets": targets, "rows": rows},
                                              indent=2) + "\n")
     return 1 if failed else 0
 
