@@ -110,3 +110,69 @@ def rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kv_slot_ptr
     tl.store(pd_ptr + h * pd_h + slot, tl.load(true_ptr))
     if HAS_REST:
         tl.store(rd_ptr + h * rd_h + slot * rd_u + cols, tl.zeros([D_PAD], tl.int8), mask=m)
+
+
+@triton.jit
+def _gemv_add(acc, w_ptr, rows, rmask, k, kmask, n_in, x):
+    """acc `[BLOCK_N]` + the rows' weights at columns k times x `[BLOCK_K]` (fp32 sums)."""
+    w = tl.load(w_ptr + rows[:, None] * n_in + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    return acc + tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+
+
+@triton.jit
+def _gemv_store(acc, b_ptr, out_ptr, rows, rmask, HAS_B: tl.constexpr):
+    if HAS_B:
+        acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_in, n_out, eps, HAS_R: tl.constexpr,
+                     HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """add_rms_norm_kernel's row, then its product with BLOCK_N rows of w (+ b): each program reads the whole row
+    twice (its sum of squares, then its normed values) and rounds where the eager ops round; program 0 stores the
+    residual sum."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_out
+    dt = x_ptr.dtype.element_ty
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < n_in
+        s = tl.load(x_ptr + k, mask=kmask, other=0.0)
+        if HAS_R:
+            s = (s.to(tl.float32) + tl.load(r_ptr + k, mask=kmask, other=0.0).to(tl.float32)).to(dt)
+            if tl.program_id(0) == 0:
+                tl.store(sum_ptr + k, s, mask=kmask)
+        sf = s.to(tl.float32)
+        squares += sf * sf
+    rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n_in + eps)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < n_in
+        s = tl.load(x_ptr + k, mask=kmask, other=0.0)
+        if HAS_R:
+            s = (s.to(tl.float32) + tl.load(r_ptr + k, mask=kmask, other=0.0).to(tl.float32)).to(dt)
+        y = (s.to(tl.float32) * rstd).to(dt).to(tl.float32)
+        xn = (tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32) * y).to(w_ptr.dtype.element_ty)
+        acc = _gemv_add(acc, w_ptr, rows, rmask, k, kmask, n_in, xn.to(tl.float32))
+    _gemv_store(acc, b_ptr, out_ptr, rows, rmask, HAS_B)
+
+
+@triton.jit
+def silu_gemv_kernel(g_ptr, u_ptr, w_ptr, b_ptr, out_ptr, n_in, n_out, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """silu_mul_kernel's values, then their product with BLOCK_N rows of w (+ b)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_out
+    dt = g_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < n_in
+        g = tl.load(g_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        x = (a * tl.load(u_ptr + k, mask=kmask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        acc = _gemv_add(acc, w_ptr, rows, rmask, k, kmask, n_in, x)
+    _gemv_store(acc, b_ptr, out_ptr, rows, rmask, HAS_B)

@@ -8,6 +8,8 @@ of a few microseconds, so a layer's ~45 small kernels cost more than a small mod
 | `rope_write(q, k, v, cos, sin, ...)` | the query's and key's rotation (`rope_qk`: 5 ops each) and the new unit's K, V, score, true position and key remainder (`write_unit`: 4-5 index writes) |
 | `silu_mul(gate, up)` | the MLP's act and product |
 | `join_linears(...)` | q/k/v (and gate/up) as one product where they are plain linear layers: 3 launches -> 1 |
+| `norm_linear(x, residual, norm, w)` | add_rms_norm and the product that reads its output (a Triton GEMV) |
+| `silu_linear(gate, up, w)` | silu_mul and the down projection that reads it (a Triton GEMV) |
 
 Triton where `use_triton`, else the eager ops themselves (the twin). `serves(model)` says whether the model's
 layers are the ones these replace.
@@ -79,6 +81,46 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)
     n, block = gate.numel(), 1024
     _kernels().silu_mul_kernel[(-(-n // block),)](gate.contiguous(), up.contiguous(), out, n, BLOCK=block)
+    return out
+
+
+def _gemv_grid(n_out: int, n_in: int) -> tuple[int, int]:
+    """(rows a program, columns a step): a power of two from 4 to 32 rows, for about 264 programs (two an SM of a
+    large GPU) where the output has rows enough; a tile of at most 4,096 weights (32 a thread)."""
+    per = max(1, n_out // 264)
+    rows = min(32, max(4, 1 << (per.bit_length() - 1)))
+    return rows, min(_pad(n_in), 4096 // rows)
+
+
+def norm_linear(x: torch.Tensor | None, residual: torch.Tensor, norm, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(residual + x)), residual + x) for one row `[1, 1, n]`: add_rms_norm and the product in one
+    launch, the normed row never written out. `weight` `[out, n]` plain (a float linear layer's)."""
+    if not use_triton(residual):
+        normed, total = add_rms_norm(x, residual, norm)
+        return torch.nn.functional.linear(normed, weight, bias), total
+    n_out, n_in = weight.shape
+    out = torch.empty((1, 1, n_out), dtype=weight.dtype, device=residual.device)
+    total = residual if x is None else torch.empty_like(residual)
+    block_n, block_k = _gemv_grid(n_out, n_in)
+    _kernels().norm_gemv_kernel[(-(-n_out // block_n),)](
+        residual if x is None else x.contiguous(), residual, norm.weight, weight, bias if bias is not None else weight,
+        out, total, n_in, n_out, float(norm.variance_epsilon), HAS_R=x is not None, HAS_B=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k)
+    return out, total
+
+
+def silu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu(gate) * up) for one row, in one launch (the product silu_mul would write is never written)."""
+    if not use_triton(gate):
+        return torch.nn.functional.linear(silu_mul(gate, up), weight, bias)
+    n_out, n_in = weight.shape
+    out = torch.empty((*gate.shape[:-1], n_out), dtype=weight.dtype, device=gate.device)
+    block_n, block_k = _gemv_grid(n_out, n_in)
+    _kernels().silu_gemv_kernel[(-(-n_out // block_n),)](
+        gate.contiguous(), up.contiguous(), weight, bias if bias is not None else weight, out, n_in, n_out,
+        HAS_B=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
 

@@ -2,8 +2,10 @@
 
 For each `--weights`: one engine (LOCRET at `--budget`, `--kv` cache, retaining heads of d_R = `--d-r`, random:
 speed does not depend on their weights) reads `--length` random tokens once; then, each on a copy of that cache,
-`--tokens` greedy tokens are decoded four ways:
+`--tokens` greedy tokens are decoded in each of these ways (`--ways`):
   graph        a decoded token is one CUDA graph replay (engine/graph_step.py; the default on CUDA)
+  graph-gemv   the same with each norm and the SiLU product inside the product that reads it (GraphStep.GEMV:
+               Triton GEMVs for float weights in place of cuBLAS's; with nf4 or int8 weights the same as graph)
   graph-unfused  the same without kernels/fused.py's kernels (the norms, RoPE and SiLU product op by op)
   eager step   the same model without transformers' per-call machinery, op by op (engine/decode_step.py)
   forward      transformers' forward at every step
@@ -39,7 +41,7 @@ from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 from localchat.kernels import qattn
 
-WAYS = ("graph", "graph-unfused", "eager step", "forward")
+WAYS = ("graph", "graph-gemv", "graph-unfused", "eager step", "forward")
 TOP = 8  # the kernels named per row: the most GPU time per token
 
 
@@ -61,6 +63,7 @@ def _way(engine: Engine, way: str) -> None:
     engine.graph_decode = way.startswith("graph")
     engine.lean_decode = way != "forward"
     GraphStep.FUSED = way != "graph-unfused"
+    GraphStep.GEMV = way == "graph-gemv"
     engine._graph = None  # a new step for the new way
 
 
@@ -128,13 +131,13 @@ def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
 
 
 def measure(args) -> dict:
-    defaults = qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS, qattn.WARPS
+    defaults = qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS, qattn.WARPS, GraphStep.FUSED, GraphStep.GEMV
     qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = args.attn_way, args.attn_block, args.attn_programs
     qattn.WARPS = args.attn_warps
     try:
         return _measure(args)
     finally:
-        qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS, qattn.WARPS = defaults
+        qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS, qattn.WARPS, GraphStep.FUSED, GraphStep.GEMV = defaults
 
 
 def _measure(args) -> dict:

@@ -71,12 +71,21 @@ def why_not(model, cache, heads=None) -> str | None:
     return None
 
 
+def _plain(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a float `nn.Linear`, else None (quantized layers keep their own products)."""
+    return (linear.weight, linear.bias) if type(linear) is torch.nn.Linear else None
+
+
 class GraphStep:
     """`step(token, true_position)` -> the next token's logits `[vocab]`, the token's unit added to `cache` with its
     K/V, original position and (with `heads`: LOCRET's retaining heads) its score. `capture`: replay a CUDA graph
     (default: on a CUDA device); `reason` says why it runs eagerly when capture failed."""
 
     FUSED = True  # the residual adds, norms, RoPE and SiLU product as kernels/fused.py's kernels where they serve
+    # with FUSED, each norm and the SiLU product computed inside the product that reads it (fused.norm_linear,
+    # silu_linear: Triton GEMVs, 3 launches a layer fewer) where the weights are plain; off until a GPU has timed
+    # these GEMVs against cuBLAS's
+    GEMV = False
 
     def __init__(self, model, cache: KVCache, heads=None, capture: bool | None = None):
         self.model, self.heads = model, heads
@@ -102,6 +111,13 @@ class GraphStep:
                     if self.fused and hasattr(layer.self_attn, "q_proj") else None for layer in self.layers]
         self.gate_up = [fused.join_linears(layer.mlp, "joined_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
                         if self.fused and hasattr(layer.mlp, "gate_proj") else None for layer in self.layers]
+        # (weight, bias) of the products a norm or the SiLU product feeds, for the GEMVs; None where not plain
+        gemv = self.fused and self.GEMV
+        self.gemv_qkv = [(self.qkv[i] or _plain(getattr(layer.self_attn, "qkv_proj", None))) if gemv else None
+                         for i, layer in enumerate(self.layers)]
+        self.gemv_gate_up = [(self.gate_up[i] or _plain(getattr(layer.mlp, "gate_up_proj", None))) if gemv else None
+                             for i, layer in enumerate(self.layers)]
+        self.gemv_down = [_plain(layer.mlp.down_proj) if gemv else None for layer in self.layers]
 
     @property
     def cache(self) -> KVCache | None:
@@ -181,6 +197,44 @@ class GraphStep:
 
     # --- device side: the step's body (fixed shapes; captured) ---------------------------------------------------
 
+    def _qkv(self, i: int, layer, pending, h):
+        """(q/k/v side by side where one product gave them, else None; (q, k, v); the residual): the input norm,
+        with the last MLP's output added in (fused), and the q/k/v product(s)."""
+        attn = layer.self_attn
+        if self.gemv_qkv[i] is not None:  # the norm inside the product
+            joined, h = fused.norm_linear(pending, h, layer.input_layernorm, *self.gemv_qkv[i])
+            return joined, joined.split(self.qkv_sizes, dim=-1), h
+        if self.fused:
+            x, h = fused.add_rms_norm(pending, h, layer.input_layernorm)
+        else:
+            x = layer.input_layernorm(h)
+        if hasattr(attn, "qkv_proj"):  # Phi-3 (called past its hook, as the others)
+            joined = attn.qkv_proj.forward(x)
+        elif self.qkv[i] is not None:
+            joined = torch.nn.functional.linear(x, *self.qkv[i])
+        else:
+            return None, (attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)), h
+        return joined, joined.split(self.qkv_sizes, dim=-1), h
+
+    def _mlp(self, i: int, layer, attended, h):
+        """(the MLP's output, the residual with the attention's output added) through the fused ops: the norm
+        inside the gate/up product and the SiLU product inside the down product where the GEMVs serve."""
+        mlp = layer.mlp
+        if self.gemv_gate_up[i] is not None:
+            gate_up, h = fused.norm_linear(attended, h, layer.post_attention_layernorm, *self.gemv_gate_up[i])
+            gate, up = gate_up.chunk(2, dim=-1)
+        else:
+            x, h = fused.add_rms_norm(attended, h, layer.post_attention_layernorm)
+            if hasattr(mlp, "gate_up_proj"):  # Phi-3
+                gate, up = mlp.gate_up_proj.forward(x).chunk(2, dim=-1)
+            elif self.gate_up[i] is not None:
+                gate, up = torch.nn.functional.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
+            else:
+                gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+        if self.gemv_down[i] is not None:
+            return fused.silu_linear(gate, up, *self.gemv_down[i]), h
+        return mlp.down_proj.forward(fused.silu_mul(gate, up)), h
+
     def _body(self) -> torch.Tensor:
         inputs, d = self.inputs, self.head_dim
         slot, tail_slot, lens = inputs[SLOT:SLOT + 1], inputs[TAIL_SLOT:TAIL_SLOT + 1], inputs[MAIN:TAIL + 1]
@@ -192,19 +246,7 @@ class GraphStep:
         pending = None  # the last MLP's output, added to h inside the next norm (fused)
         for i, layer in enumerate(self.layers):
             attn, held = layer.self_attn, self.cache.layers[i]
-            if self.fused:
-                x, h = fused.add_rms_norm(pending, h, layer.input_layernorm)
-            else:
-                x = layer.input_layernorm(h)
-            joined = None  # q/k/v side by side, where one product gave them
-            if hasattr(attn, "qkv_proj"):  # Phi-3 (called past its hook, as the others)
-                joined = attn.qkv_proj.forward(x)
-            elif self.qkv[i] is not None:
-                joined = torch.nn.functional.linear(x, *self.qkv[i])
-            if joined is not None:
-                q, k, v = joined.split(self.qkv_sizes, dim=-1)
-            else:
-                q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
+            joined, (q, k, v), h = self._qkv(i, layer, pending, h)
             score = None  # the new unit's score, from its pre-RoPE q/k/v (LOCRET's retaining heads)
             if self.heads is not None:
                 qkv = joined[0] if joined is not None else torch.cat((q[0], k[0], v[0]), dim=-1)
@@ -225,15 +267,7 @@ class GraphStep:
                                            self.scaling)
             attended = attn.o_proj.forward(out.view(1, 1, -1))
             if self.fused:
-                x, h = fused.add_rms_norm(attended, h, layer.post_attention_layernorm)
-                mlp = layer.mlp
-                if hasattr(mlp, "gate_up_proj"):  # Phi-3
-                    gate, up = mlp.gate_up_proj.forward(x).chunk(2, dim=-1)
-                elif self.gate_up[i] is not None:
-                    gate, up = torch.nn.functional.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
-                else:
-                    gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
-                pending = mlp.down_proj.forward(fused.silu_mul(gate, up))
+                pending, h = self._mlp(i, layer, attended, h)
             else:
                 h = h + attended
                 h = h + layer.mlp(layer.post_attention_layernorm(h))

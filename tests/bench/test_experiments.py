@@ -99,8 +99,8 @@ def test_gpu_decode_runs_every_way_on_a_cpu(tmp_path: Path, monkeypatch) -> None
     rows = result["rows"]
     assert (result["setup"]["attn_way"], result["setup"]["attn_programs"]) == ("dot", 1056)
     assert (qattn.WAY, qattn.TARGET_PROGRAMS) == ("group", 264)
-    assert [r["way"] for r in rows] == ["graph (not taken: not CUDA)", "graph-unfused (not taken: not CUDA)",
-                                        "eager step", "forward"]
+    assert [r["way"] for r in rows] == ["graph (not taken: not CUDA)", "graph-gemv (not taken: not CUDA)",
+                                        "graph-unfused (not taken: not CUDA)", "eager step", "forward"]
     assert all(r["decode_tok_s"] > 0 and r["steady_tok_s"] > 0 and r["kv_units_per_head"] >= 48 for r in rows)
     assert script.steady_rate([0.0, 1.0, 1.5, 2.0]) == 2 / 1.0 and script.steady_rate([0.0, 1.0]) is None
     assert "| fp32 | eager step |" in (tmp_path / "out" / "gpu_decode.md").read_text()

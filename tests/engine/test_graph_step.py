@@ -125,6 +125,27 @@ def test_the_triton_kernel_in_the_step(kv, way, tok, triton_kernels, monkeypatch
         torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_the_gemvs_in_the_step(arch, tok, triton_kernels, monkeypatch):
+    """GraphStep.GEMV: each norm inside the product that reads it and the SiLU product inside the down
+    projection (Triton GEMVs, interpreted); the same logits and scores as transformers' forward with the heads'
+    hooks. Phi-3's own q/k/v and gate/up projections serve as they are."""
+    monkeypatch.setattr(GraphStep, "GEMV", True)
+    made = []
+    real = GraphStep.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(GraphStep, "__init__", init)
+    ours, theirs = _steps(arch, tok, tokens=(5, 17, 9))
+    step = made[0]
+    assert all(w is not None for w in [*step.gemv_qkv, *step.gemv_gate_up, *step.gemv_down])
+    for x, y in zip(ours.layers, theirs.layers):
+        torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
+
+
 def test_what_keeps_a_model_from_the_step(tok):
     model = tiny_architecture("llama", len(tok))
     engine = Engine(model, tok, chunk=32, policy=_locret(model))

@@ -46,7 +46,7 @@ def test_the_decode_steps_kernels_compile_for_sm90(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     names = {r["kernel"] for r in rows}
     assert {"add_rms_norm_kernel", "silu_mul_kernel", "heads_score_kernel", "rope_write_kernel",
-            "qattn_group_kernel", "qattn_dot_kernel", "merge_kernel"} <= names
+            "qattn_group_kernel", "qattn_dot_kernel", "merge_kernel", "norm_gemv_kernel", "silu_gemv_kernel"} <= names
     assert all(r["target"] == "sm_90" and r["reg"] > 0 and "error" not in r for r in rows)
     assert "| qattn_dot_kernel | sm_90 |" in run.stdout
 

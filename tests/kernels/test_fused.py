@@ -79,6 +79,41 @@ def test_silu_mul_equals_the_act_and_the_product(dtype, triton_kernels):
     torch.testing.assert_close(fused.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_x,with_bias", [(True, True), (False, False)])
+def test_norm_linear_equals_the_norm_then_the_product(dtype, with_x, with_bias, triton_kernels):
+    """The norm inside a GEMV: the product of the normed row and the residual sum as add_rms_norm and the linear
+    layer give them; sizes not multiples of the blocks, and more rows than one program takes."""
+    g = torch.Generator().manual_seed(5)
+    n_in, n_out = 300, 1100
+    norm = LlamaRMSNorm(n_in, eps=1e-5)
+    norm.weight.data = torch.randn(n_in, generator=g)
+    norm = norm.to(DEV, dtype)
+    weight = (torch.randn(n_out, n_in, generator=g) / n_in ** 0.5).to(DEV, dtype)
+    bias = torch.randn(n_out, generator=g).to(DEV, dtype) if with_bias else None
+    residual = (torch.randn(1, 1, n_in, generator=g) * 3).to(DEV, dtype)
+    x = torch.randn(1, 1, n_in, generator=g).to(DEV, dtype) if with_x else None
+    got, total = fused.norm_linear(x, residual, norm, weight, bias)
+    normed, want_total = fused.add_rms_norm(x, residual, norm)
+    torch.testing.assert_close(total, want_total, rtol=0, atol=0)
+    want = torch.nn.functional.linear(normed, weight, bias)
+    assert got.shape == want.shape == (1, 1, n_out) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_linear_equals_the_silu_product_then_the_product(dtype, triton_kernels):
+    g = torch.Generator().manual_seed(6)
+    n_in, n_out = 700, 37
+    gate_up = (torch.randn(1, 1, 2 * n_in, generator=g) * 3).to(DEV, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)  # views into one row, as the step's joined gate/up product gives them
+    weight = (torch.randn(n_out, n_in, generator=g) / n_in ** 0.5).to(DEV, dtype)
+    got = fused.silu_linear(gate, up, weight)
+    want = torch.nn.functional.linear(fused.silu_mul(gate, up), weight)
+    assert got.shape == want.shape == (1, 1, n_out)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
 def test_serves_llama_qwen_and_phi3_layers_and_not_gemmas():
     from transformers import GemmaConfig, GemmaForCausalLM
 

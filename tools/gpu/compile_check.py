@@ -8,7 +8,8 @@ with the kernels interpreted, and compiles each launch, with the same arguments,
 
   1. the engine on a model of `--config`'s shape (random weights, `--layers` layers, bf16 as on a GPU), LOCRET
      with retaining heads of the release's shape (d_R = 1,024): a chunked read with eviction, then tokens decoded
-     through the captured decode step's body, per `--kv` cache and split kernel way (`--ways`);
+     through the captured decode step's body, per `--kv` cache and split kernel way (`--ways`), and once more
+     with the step's GEMVs (GraphStep.GEMV);
   2. decode attention alone at a long cache (`--units`, as after a 128K read at b = 16,384) in each way, block
      and warps a program (`--warps`), compiled only.
 
@@ -225,9 +226,12 @@ def model_of(config_path: str, layers: int, vocab: int):
     return AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
 
 
-def drive_engine(recorder: Recorder, model, tok, kv: str, way: str, read: int, budget: int) -> None:
-    """A LOCRET read with eviction and a few tokens through the captured step's body (eager on a CPU)."""
+def drive_engine(recorder: Recorder, model, tok, kv: str, way: str, read: int, budget: int,
+                 gemv: bool = False) -> None:
+    """A LOCRET read with eviction and a few tokens through the captured step's body (eager on a CPU); `gemv`:
+    with GraphStep.GEMV's products."""
     from localchat.engine.engine import Engine
+    from localchat.engine.graph_step import GraphStep
     from localchat.engine.heads import RetainingHeads
     from localchat.engine.policies import make_policy
     from localchat.engine.sampling import GenerationSettings
@@ -237,15 +241,43 @@ def drive_engine(recorder: Recorder, model, tok, kv: str, way: str, read: int, b
     policy = make_policy("locret", budget=budget, stabilizers=16, local=32, heads=heads)
     engine = Engine(model, tok, chunk=max(64, budget // 2), policy=policy, kv=kv)
     Engine.GRAPH_DEVICES = ("cuda", "cpu")  # the captured step's body, run eagerly here
-    qattn.WAY = way
+    qattn.WAY, GraphStep.GEMV = way, gemv
+    if gemv:
+        _record_gemvs(recorder)
     ids = torch.randint(3, len(tok) - 3, (read,), generator=torch.Generator().manual_seed(0)).tolist()
     cache = engine.new_cache(read, 4)
-    recorder.where = f"engine kv={kv} way={way}"
+    recorder.where = f"engine kv={kv} way={way}" + (" gemv" if gemv else "")
     for event in engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=3, ignore_eos=True)):
         if type(event).__name__ == "Error":
             raise SystemExit(f"error: {event.message}")
     if engine._graph is None or engine._graph.reason:
         raise SystemExit(f"the decode step was not taken ({kv}, {way}): nothing of it was compiled")
+
+
+def _record_gemvs(recorder: Recorder) -> None:
+    """fused.norm_linear and silu_linear record their launches without running them, and answer with the ops
+    they replace (interpreting an 8B-sized GEMV takes minutes on 2 cores)."""
+    from localchat.kernels import fused
+
+    norm_linear, silu_linear = fused.norm_linear, fused.silu_linear
+
+    def recorded(launch, *args):
+        recorder.execute = False
+        try:
+            launch(*args)
+        finally:
+            recorder.execute = True
+
+    def norm_twin(x, residual, norm, weight, bias=None):
+        recorded(norm_linear, x, residual, norm, weight, bias)
+        normed, total = fused.add_rms_norm(x, residual, norm)
+        return torch.nn.functional.linear(normed, weight, bias), total
+
+    def silu_twin(gate, up, weight, bias=None):
+        recorded(silu_linear, gate, up, weight, bias)
+        return torch.nn.functional.linear(fused.silu_mul(gate, up), weight, bias)
+
+    fused.norm_linear, fused.silu_linear = norm_twin, silu_twin
 
 
 def drive_attention(recorder: Recorder, config: dict, units: int, bits_list: list[int], ways: list[str],
@@ -292,6 +324,7 @@ def record(args) -> list[dict]:
         for kv in kvs:
             for way in ways:
                 drive_engine(recorder, model, tok, kv, way, args.read, args.read // 3)
+        drive_engine(recorder, model, tok, kvs[0], ways[0], args.read, args.read // 3, gemv=True)
         if args.units:
             bits = sorted({0 if kv == "none" else int(kv[3:]) for kv in kvs}, reverse=True)
             drive_attention(recorder, json.loads(Path(args.config).read_text()), args.units, bits, ways,

@@ -25,7 +25,8 @@
 #           settings (graph replay, the steady rate, step 8's fastest split kernel)
 #   step 4  the 8B at 24 GB, --policy full: the first length in LENGTHS that fails (one-line refusal or OOM)
 #   step 5  the captured decode step's tests on CUDA (graph replay = eager body; the kernels' tests)
-#   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay (fused ops and not) vs eager step vs forward
+#   step 6  decode after a 32K read at b=16,384 (int8 cache): graph replay (fused ops and not; with the norms and
+#           SiLU inside Triton GEMVs where the weights are bf16) vs eager step vs forward
 #           with nf4 weights (bench/experiments/gpu_decode.py); the same for SmolLM2-135M (b=1024, bf16 cache); with
 #           step 8's fastest split kernel for the cache (gpu_attn.py --best), the default where step 8 did not run
 #   step 9  the same through the graph with bf16, int4 (quanto) and int8 (LLM.int8) weights (the planner's speed
@@ -119,7 +120,8 @@ for step in $STEPS; do case $step in
    BEST="$PY bench/experiments/gpu_attn.py --best"  # step 8's fastest split kernel per cache, when it ran
    for m in $MODELS; do  # the 8B, and Phi-3-mini when MODELS names it
        run "$OUT/decode-$m-nf4.txt" $GD --model "$MODELS_DIR/$m" --weights nf4 --budget 16384 --kv int8 \
-           $($BEST "$OUT/attn-$BIG.json" --bits 8) --out "$OUT/decode-$m-nf4"
+           --ways "graph,graph-unfused,eager step,forward" $($BEST "$OUT/attn-$BIG.json" --bits 8) \
+           --out "$OUT/decode-$m-nf4"  # graph-gemv: the same as graph with nf4 weights
    done
    run "$OUT/decode-$SMALL.txt" $GD --model "$MODELS_DIR/$SMALL" --weights bf16 --budget 1024 --kv none \
        $($BEST "$OUT/attn-$SMALL.json" --bits 0) --out "$OUT/decode-$SMALL" ;;
