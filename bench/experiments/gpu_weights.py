@@ -61,7 +61,8 @@ def convert(linear: torch.nn.Linear, weights: str, dev: torch.device) -> torch.n
         else:
             out = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=False, has_fp16_weights=False,
                                       threshold=6.0, device="meta")
-            out.weight = bnb.nn.Int8Params(w.half(), requires_grad=False, has_fp16_weights=False)
+            # Int8Params quantizes only on a move from the CPU (Params4bit on any move that is not yet quantized)
+            out.weight = bnb.nn.Int8Params(w.half().cpu(), requires_grad=False, has_fp16_weights=False)
         return out.to(dev)  # bitsandbytes quantizes when the parameter is moved
     if dev.type == "cpu":
         if weights == "int4-fp16":
