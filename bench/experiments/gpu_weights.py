@@ -9,7 +9,8 @@ at full precision). One token's products through all of them:
   nf4    bitsandbytes Linear4bit: nf4, double quantization, bf16 compute (engine/quantize.py's BitsAndBytesConfig)
   int8   CUDA: bitsandbytes Linear8bitLt (LLM.int8, fp16); CPU: kernels/packed.py's int8 rows
   int4   CUDA: optimum-quanto qint4, frozen (torch's tinygemm int4 at bf16); CPU: kernels/packed.py's int4
-  int4-fp16  CUDA: the same at fp16, where quanto takes its AWQ kernels instead (not an app choice: a comparison)
+  int4-fp16  CUDA: the same at fp16, where quanto takes its AWQ kernels instead (not an app choice: a comparison;
+             quanto builds its CUDA extension for it first, minutes where nvcc exists)
 On CUDA the time is that of a replayed CUDA graph of the products (as inside the captured decode step; the wall
 time, launches included, beside it), else the wall time. Per row: ms per token (all layers, and the output
 layer's share), the bytes of weights read, GB/s and their share of the device's copy bandwidth (a large device

@@ -35,8 +35,7 @@
 #           kernel's ways, split targets, warps a program and the dot way's blocks; KERNELS: other versions of
 #           kernels/_qattn_triton.py to time beside the tree's, files in the tree)
 #   step 10 one token's weight products alone at the 8B's shape, by precision: bf16, nf4 (bitsandbytes), int4
-#           (optimum-quanto: torch's tinygemm; at fp16 its AWQ kernels), int8 (LLM.int8); GB/s against the
-#           device's copy bandwidth
+#           (optimum-quanto: torch's tinygemm), int8 (LLM.int8); GB/s against the device's copy bandwidth
 #           (bench/experiments/gpu_weights.py; about a minute, no model needed)
 #   step 7  where a 16K (LEN7) LOCRET prefill's GPU time goes, 8B nf4 at b=16,384 (bench/experiments/gpu_prefill_profile.py)
 
@@ -134,7 +133,7 @@ for step in $STEPS; do case $step in
        --model "$MODELS_DIR/$BIG" --weights bf16,int4,int8 --ways graph --budget 16384 --kv int8 \
        $($PY bench/experiments/gpu_attn.py --best "$OUT/attn-$BIG.json" --bits 8) --out "$OUT/decode-$BIG-bf16-int4-int8" ;;
 10) run "$OUT/weights-$BIG.txt" $PY bench/experiments/gpu_weights.py --config "tests/data/configs/$BIG.json" \
-       --weights bf16,nf4,int4,int4-fp16,int8 ${WLAYERS:+--layers $WLAYERS} --out "$OUT/weights-$BIG.json" ;;
+       --weights bf16,nf4,int4,int8 ${WLAYERS:+--layers $WLAYERS} --out "$OUT/weights-$BIG.json" ;;
 7) run "$OUT/prefill-profile-$BIG.txt" $PY bench/experiments/gpu_prefill_profile.py --model "$MODELS_DIR/$BIG" \
        --weights nf4 --kv int8 --budget 16384 --length ${LEN7:-16384} --out "$OUT/prefill-profile-$BIG" ;;
 esac; done
