@@ -46,7 +46,7 @@ cd "$(dirname "$0")/../.." || exit 1
 PY=${PY:-python3}
 . tools/gpu/env.sh
 DRY=${DRY:-0}
-STEPS=${STEPS:-"0 8 10 1 6 3 7 5 9 2 4"}
+STEPS=${STEPS:-"0 8 1 3 6 10 7 5 9 2 4"}
 MODELS=${MODELS:-"llama-3.1-8b-instruct phi-3-mini-128k-instruct"}
 CAPS=${CAPS:-"24 12 8"}
 LENGTHS=${LENGTHS:-"32768 65536 98304 131072"}
