@@ -9,7 +9,8 @@ the projections (called past their hooks), RoPE, the new unit's K/V, score and p
 (`index_copy_` at a device index), attention over the held units (kernels/graph_attn.py: the plain cache, or the
 quantized cache's packed part plus its tail, lengths read on the device), the MLP; then the final norm and the
 logits. The retaining heads score the new unit inside the step (LOCRET); eviction, the tail's quantization and
-the chat's bookkeeping stay outside, between replays.
+the chat's bookkeeping stay outside, between replays. The element-wise ops are kernels/fused.py's fused kernels;
+with `GraphStep.GEMV` each norm and the SiLU product run inside the product that reads them.
 
 A graph is bound to the buffers it read at capture: when the cache grows (a reallocation), keeps key remainders
 for the first time, or another cache comes, the step captures again. On a CPU (the tests) or when capture fails
