@@ -174,9 +174,9 @@ class Handler(BaseHTTPRequestHandler):
         if cut:  # a connection that breaks mid-body
             chunk = chunk[:CUT]
             self.close_connection = True
-        self.wfile.write(chunk)
-        with hub.lock:
+        with hub.lock:  # counted before the write: the client may have read it all before this thread goes on
             hub.sent += len(chunk)
+        self.wfile.write(chunk)
 
 
 # --- releases made like the official ones ----------------------------------------------------------------------
