@@ -45,6 +45,13 @@ def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _gemv_add(acc, w_ptr, rows, rmask, k, kmask, n_in, x):
+    """acc `[BLOCK_N]` + the rows' weights at columns k times x `[BLOCK_K]` (fp32 sums)."""
+    w = tl.load(w_ptr + rows[:, None] * n_in + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    return acc + tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+
+
+@triton.jit
 def heads_score_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, n_in, d_r, H: tl.constexpr, H_PAD: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """LOCRET's retaining head for one row, BLOCK_R of its d_R hidden units per program: h = silu(fc1·x), rounded
@@ -58,8 +65,7 @@ def heads_score_kernel(x_ptr, w1_ptr, w2_ptr, part_ptr, n_in, d_r, H: tl.constex
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < n_in
         x = tl.load(x_ptr + k, mask=km, other=0.0).to(dt).to(tl.float32)
-        w = tl.load(w1_ptr + r[:, None] * n_in + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        hid += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        hid = _gemv_add(hid, w1_ptr, r, rm, k, km, n_in, x)
     hid = hid.to(dt).to(tl.float32)
     hid = (hid / (1.0 + tl.exp(-hid))).to(dt).to(tl.float32)
     heads = tl.arange(0, H_PAD)
@@ -113,17 +119,19 @@ def rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kv_slot_ptr
 
 
 @triton.jit
-def _gemv_add(acc, w_ptr, rows, rmask, k, kmask, n_in, x):
-    """acc `[BLOCK_N]` + the rows' weights at columns k times x `[BLOCK_K]` (fp32 sums)."""
-    w = tl.load(w_ptr + rows[:, None] * n_in + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-    return acc + tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-
-
-@triton.jit
 def _gemv_store(acc, b_ptr, out_ptr, rows, rmask, HAS_B: tl.constexpr):
     if HAS_B:
         acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _summed(x_ptr, r_ptr, k, kmask, dt, HAS_R: tl.constexpr):
+    """x (+ r, rounded to dt as torch's add rounds) at columns k."""
+    s = tl.load(x_ptr + k, mask=kmask, other=0.0)
+    if HAS_R:
+        s = (s.to(tl.float32) + tl.load(r_ptr + k, mask=kmask, other=0.0).to(tl.float32)).to(dt)
+    return s
 
 
 @triton.jit
@@ -139,9 +147,8 @@ def norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_in,
     for k0 in range(0, n_in, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < n_in
-        s = tl.load(x_ptr + k, mask=kmask, other=0.0)
+        s = _summed(x_ptr, r_ptr, k, kmask, dt, HAS_R)
         if HAS_R:
-            s = (s.to(tl.float32) + tl.load(r_ptr + k, mask=kmask, other=0.0).to(tl.float32)).to(dt)
             if tl.program_id(0) == 0:
                 tl.store(sum_ptr + k, s, mask=kmask)
         sf = s.to(tl.float32)
@@ -151,10 +158,7 @@ def norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_in,
     for k0 in range(0, n_in, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < n_in
-        s = tl.load(x_ptr + k, mask=kmask, other=0.0)
-        if HAS_R:
-            s = (s.to(tl.float32) + tl.load(r_ptr + k, mask=kmask, other=0.0).to(tl.float32)).to(dt)
-        y = (s.to(tl.float32) * rstd).to(dt).to(tl.float32)
+        y = (_summed(x_ptr, r_ptr, k, kmask, dt, HAS_R).to(tl.float32) * rstd).to(dt).to(tl.float32)
         xn = (tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32) * y).to(w_ptr.dtype.element_ty)
         acc = _gemv_add(acc, w_ptr, rows, rmask, k, kmask, n_in, xn.to(tl.float32))
     _gemv_store(acc, b_ptr, out_ptr, rows, rmask, HAS_B)
