@@ -127,7 +127,7 @@ for step in $STEPS; do case $step in
 8) run "$OUT/attn-$BIG.txt" $PY bench/experiments/gpu_attn.py --programs 264,528,1056 --dot-blocks 32,64 --warps 4,8 \
        --caches 8r,0 ${KERNELS:+--kernels $KERNELS} --out "$OUT/attn-$BIG.json"
    run "$OUT/attn-$SMALL.txt" $PY bench/experiments/gpu_attn.py --units 1167 --q-heads 9 --kv-heads 3 --head-dim 64 \
-       --layers 30 --programs 264,528 --dot-blocks 32,64 --warps 4,8 --caches 0 ${KERNELS:+--kernels $KERNELS} \
+       --layers 30 --programs 132,264,528 --dot-blocks 32,64 --warps 4,8 --caches 0 ${KERNELS:+--kernels $KERNELS} \
        --out "$OUT/attn-$SMALL.json" ;;
 9) run "$OUT/decode-$BIG-bf16-int4-int8.txt" $PY bench/experiments/gpu_decode.py --length ${LEN6:-32768} --tokens 128 \
        --model "$MODELS_DIR/$BIG" --weights bf16,int4,int8 --ways graph --budget 16384 --kv int8 \
