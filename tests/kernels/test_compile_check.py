@@ -55,7 +55,7 @@ def test_a_kernel_the_compiler_refuses_is_reported(tmp_path: Path) -> None:
     (tmp_path / "bad.py").write_text(BAD)
     launch = {"module": "bad", "args": [{"tensor": "float32", "aligned": True}, {"value": 7}],
               "kwargs": {"BLOCK": {"value": 16}}, "where": "a test"}
-    code = (f"import sys, json; sys.path.insert(0, {str(TOOL.parent)!r}); import compile_check as c; "
+    code = (f"import sys, json; sys.path.insert(0, {str(TOOL.parent)!r}); import triton_aot as c; "
             "from pathlib import Path; "
             f"launches = [dict({launch!r}, kernel=k) for k in ('bad_kernel', 'good_kernel')]; "
             f"files = {{'bad': Path({str(tmp_path / 'bad.py')!r})}}; "
