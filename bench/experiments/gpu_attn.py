@@ -38,9 +38,10 @@ def cache(h: int, n: int, d: int, bits: int, dev: str) -> dict[str, torch.Tensor
     return out
 
 
-def timed(fn, repeat: int, dev: str) -> tuple[float, float | None]:
+def timed(fn, repeat: int, dev: str, failed: list | None = None) -> tuple[float, float | None]:
     """(median wall milliseconds of a call, launches included; on CUDA the GPU's milliseconds per call from a
-    CUDA graph of `repeat` calls replayed: the figure inside a captured decode step)."""
+    CUDA graph of `repeat` calls replayed: the figure inside a captured decode step). Where capture fails, the
+    exception is raised, or with `failed` appended to it and the GPU's figure None."""
     fn()
     times = []
     for _ in range(repeat):
@@ -54,11 +55,23 @@ def timed(fn, repeat: int, dev: str) -> tuple[float, float | None]:
     wall = sorted(times)[len(times) // 2]
     if dev != "cuda":
         return wall, None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants (cuBLAS, bitsandbytes)
             fn()
-    graph.replay()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(repeat):
+                fn()
+        graph.replay()
+    except Exception as exc:
+        if failed is None:
+            raise
+        torch.cuda.synchronize()
+        failed.append(exc)
+        return wall, None
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     graph.replay()

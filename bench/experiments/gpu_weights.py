@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_attn's timer, beside this file
+from gpu_attn import timed  # noqa: E402
 
 WEIGHTS = ("bf16", "nf4", "int4", "int8", "int4-fp16")
 HALF = ("int8", "int4-fp16")  # computed in fp16 on CUDA
@@ -111,45 +114,6 @@ def weight_bytes(modules) -> int:
     return real_bytes(torch.nn.ModuleList(modules))
 
 
-def timed(fn, repeat: int, dev: torch.device) -> tuple[float, float | None, str]:
-    """(median wall milliseconds of one `fn()`, launches included; on CUDA the milliseconds of one call from a
-    replayed CUDA graph, else None; why there is no graph time where capture failed)."""
-    with torch.inference_mode():
-        fn()
-        times = []
-        for _ in range(repeat):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1000)
-        wall = sorted(times)[len(times) // 2]
-        if dev.type != "cuda":
-            return wall, None, ""
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graph.replay()
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot be captured: the wall time stands
-            torch.cuda.synchronize()
-            return wall, None, _why(exc)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return wall, start.elapsed_time(end) / repeat, ""
-
-
 def _why(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -158,7 +122,7 @@ def copy_bandwidth(dev: torch.device) -> float:
     """GB/s of a large copy on `dev`, bytes read plus written."""
     n = (1 << 30) if dev.type == "cuda" else (1 << 27)
     src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
-    wall, graph, _ = timed(lambda: dst.copy_(src), 10, dev)
+    wall, graph = timed(lambda: dst.copy_(src), 10, dev.type)
     return 2 * n / (graph or wall) / 1e6
 
 
@@ -176,15 +140,18 @@ def row(config: dict, layers: int, weights: str, dev: torch.device, repeat: int,
             m(inputs[m.in_features])
 
     try:
-        wall, graph, why = timed(products, repeat, dev)
-        head_wall, head_graph, _ = timed(lambda: head(hidden), repeat, dev)
+        failed = []  # a product that cannot be captured: the wall times stand
+        with torch.inference_mode():
+            wall, graph = timed(products, repeat, dev.type, failed)
+            head_wall, head_graph = timed(lambda: head(hidden), repeat, dev.type, failed)
     except Exception as exc:  # noqa: BLE001
         return {"weights": weights, "error": _why(exc)}
-    layers_ms, head_ms = (graph, head_graph) if graph is not None else (wall, head_wall)
+    captured = graph is not None and head_graph is not None
+    layers_ms, head_ms = (graph, head_graph) if captured else (wall, head_wall)
     read = weight_bytes(modules) + weight_bytes([head])
     ms = layers_ms + head_ms
     gbs = read / ms / 1e6
-    timing = "graph" if graph is not None else ("wall (graph not captured: " + why + ")" if why else "wall")
+    timing = "graph" if captured else ("wall (graph not captured: " + _why(failed[0]) + ")" if failed else "wall")
     weight = getattr(modules[0], "weight", None)
     kernel = type(modules[0]).__name__
     if weight is not None and type(weight) not in (torch.Tensor, torch.nn.Parameter):

@@ -163,7 +163,7 @@ def drive_attention(recorder: Recorder, config: dict, units: int, bits_list: lis
     tk, tv = (torch.randn(1, h, 64, d, dtype=torch.bfloat16) for _ in range(2))
     lens = torch.tensor([units, 64])
     inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    recorder.execute = False
+    recorder.execute, warps_before = False, qattn.WARPS
     for bits in bits_list:
         if bits:
             main = {}
@@ -178,8 +178,7 @@ def drive_attention(recorder: Recorder, config: dict, units: int, bits_list: lis
                     recorder.where = f"attention {units} units, {bits or 16}-bit"
                     graph_attn.attention_triton(q, main, *((tk, tv) if bits else (None, None)), lens, bits,
                                                 group_size(d), d ** -0.5, inv if bits else None)
-    qattn.WARPS = 4
-    recorder.execute = True
+    recorder.execute, qattn.WARPS = True, warps_before
 
 
 def record(args) -> list[dict]:
