@@ -153,24 +153,23 @@ def _record_gemvs(recorder: Recorder) -> None:
 
 def drive_attention(recorder: Recorder, config: dict, units: int, bits_list: list[int], ways: list[str],
                     warps: list[int]) -> None:
-    """Decode attention alone over `units` units, at each warps a program (compiled, not run)."""
+    """Decode attention alone over `units` units, at each warps a program (compiled, not run), with the cache and
+    RoPE frequencies that bench/experiments/gpu_attn.py times on the GPU."""
     from localchat.kernels import graph_attn, qattn
-    from localchat.kernels.quant import group_size, quantize
+    from localchat.kernels.quant import group_size
+
+    sys.path.insert(0, str(ROOT / "bench" / "experiments"))
+    from gpu_attn import cache, inv_freq
 
     hq, h = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     d = config.get("head_dim") or config["hidden_size"] // hq
     q = torch.randn(1, hq, 1, d, dtype=torch.bfloat16)
     tk, tv = (torch.randn(1, h, 64, d, dtype=torch.bfloat16) for _ in range(2))
     lens = torch.tensor([units, 64])
-    inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv = inv_freq(d)
     recorder.execute, warps_before = False, qattn.WARPS
     for bits in bits_list:
-        if bits:
-            main = {}
-            for names in (("qk", "ks", "kz"), ("qv", "vs", "vz")):
-                main.update(zip(names, quantize(torch.randn(1, h, units, d), bits, group_size(d))))
-        else:
-            main = {name: torch.randn(1, h, units, d, dtype=torch.bfloat16) for name in ("k", "v")}
+        main = cache(h, units, d, bits, "cpu")
         for way in ways:
             for block in ((32, 64) if way == "dot" else (qattn.DOT_BLOCK,)):
                 for w in warps:
