@@ -50,3 +50,10 @@ def resolve_spec(args, **kwargs):
     spec = resolve(flags(args), **kwargs)
     check_quant(spec.weights, spec.kv)  # values from the environment or a profile too
     return spec
+
+
+def load_engine(args, **kwargs):
+    """The engine the flags ask for (a saved chat's settings, card defaults and the plan fill the gaps)."""
+    from localchat.planning.load import load_engine as load
+
+    return load(resolve_spec(args, **kwargs))

@@ -12,9 +12,10 @@ import threading
 from localchat.documents import DEFAULT_MAX_BYTES, Document, load_document, parse_path_input
 from localchat.engine.events import Error, Notice
 from localchat.engine.sampling import GenerationSettings
-from localchat.errors import UserError
+from localchat.errors import UserError, check_text
 from localchat.render import stream_to
 from localchat.session import Session
+from localchat.turn import answer
 
 HELP = "commands: /attach PATH  /new  /help  /quit   (paste a file path to attach it; Ctrl+C stops an answer)"
 
@@ -23,6 +24,8 @@ def run_chat(engine, settings: GenerationSettings | None = None, max_bytes: int 
              stdin=sys.stdin, stdout=sys.stdout) -> int:
     print(f"localchat — {engine.name} on {engine.device.type}, policy {engine.policy.name}. {HELP}",
           file=stdout, flush=True)
+    if settings is None and engine.spec is not None:
+        settings = engine.spec.generation
     session = Session(engine)
     pending: list[Document] = []
     while True:
@@ -33,6 +36,11 @@ def run_chat(engine, settings: GenerationSettings | None = None, max_bytes: int 
             return 0
         line = line.strip()
         if not line:
+            continue
+        try:
+            check_text(line, "the line")
+        except UserError as exc:
+            print(f"error: {exc}", file=stdout)
             continue
         if line in ("/quit", "/exit"):
             return 0
@@ -67,7 +75,7 @@ def _answer(session: Session, question: str, documents: list[Document], settings
     stdout.write("bot> ")
 
     def events():
-        for ev in session.send(question, documents, settings, cancel):
+        for ev in answer(session, question, documents, settings, cancel):
             if isinstance(ev, Notice):
                 print(f"({ev.message})", file=stdout)
             else:

@@ -5,7 +5,8 @@ Every `import` counts, at the top of a file or inside a function. Layers, bottom
   kernels   localchat.kernels (kernels/): tensor code with torch twins; nothing of the engine
   engine    localchat.engine: model, cache, prefill, policies
   planning  localchat.planning, localchat.config: device probes, memory model, planner, profiles, settings
-  session   session, store (with its chat locks), render: a conversation over an engine, and its saving
+  session   session, store (with its chat locks), render, turn: a conversation over an engine, one turn of it,
+            and its saving
   app       cli, args, profile_cli, chat, tui, bench, train, server: the user interfaces, over the public API
 A module may import its own layer or any below it.
 """
@@ -24,8 +25,9 @@ LAYERS = [
     ("kernels", ["localchat.kernels"]),
     ("engine", ["localchat.engine", "localchat.models", "localchat.builtin_profiles"]),
     ("planning", ["localchat.planning", "localchat.config"]),
-    ("session", ["localchat.session", "localchat.store", "localchat.render"]),
-    ("app", ["localchat.cli", "localchat.args", "localchat.profile_cli", "localchat.chat", "localchat.tui",
+    ("session", ["localchat.session", "localchat.store", "localchat.render", "localchat.turn"]),
+    ("app", ["localchat.cli", "localchat.args", "localchat.profile_cli", "localchat.chat", "localchat.ask",
+             "localchat.lists", "localchat.tui",
              "localchat.bench", "localchat.train", "localchat.server", "localchat.__main__"]),
 ]
 PACKAGES = {"localchat": ROOT / "localchat", "localchat.kernels": ROOT / "kernels"}

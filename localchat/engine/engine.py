@@ -26,7 +26,7 @@ from localchat.engine.qcache import KV_CHOICES, RESIDUAL, QuantizedKVCache, kv_b
 from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
 from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings, StopText, pick_token
-from localchat.errors import UserError
+from localchat.errors import TooLong, UserError
 from localchat.kernels import cpu_decode
 
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
@@ -197,7 +197,7 @@ class Engine:
                     f"lower --budget or --chunk"
                 )
         elif n_total >= self.window:
-            raise UserError(
+            raise TooLong(
                 f"the conversation is {n_total} tokens but {self.name} reads at most {self.window} with "
                 f"{self.policy.name} attention at {self.positions} positions; use --policy locret "
                 f"--positions compact, or shorten the document"

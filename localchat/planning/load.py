@@ -12,7 +12,7 @@ from localchat.engine.engine import Engine
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.loading import _stderr
 from localchat.engine.policies import Policy, make_policy
-from localchat.errors import UserError
+from localchat.errors import TooLong, UserError
 from localchat.planning import memory
 from localchat.planning.memory import GIB, Shape, dtype_name, kv_unit_bytes, model_bytes, split_bytes
 from localchat.planning.planner import DEFAULT_MARGIN
@@ -118,12 +118,12 @@ def admit(engine: Engine, prompt_units: int, max_new: int, held: int = 0) -> Non
     free = memory.detect(kind).free - DEFAULT_MARGIN[kind]  # the module's, so tests can stand in a device
     if on_device > free:
         where = f" on the GPU ({off} offloaded layers' share goes to host memory)" if off else ""
-        raise UserError(f"{p.name} keeps every token: {new_units:,} more need {on_device / GIB:.1f} GiB{where} "
+        raise TooLong(f"{p.name} keeps every token: {new_units:,} more need {on_device / GIB:.1f} GiB{where} "
                         f"but {max(free, 0) / GIB:.1f} GiB is free (after a margin); use "
                         f"{bounded_choice(engine)} or a shorter document")
     host_free = memory.detect("cpu").free - DEFAULT_MARGIN["cpu"] if off else 0
     if off and in_host > host_free:
-        raise UserError(f"{p.name} --offload keeps {off} layers in host memory: {prompt_units:,} more tokens need "
+        raise TooLong(f"{p.name} --offload keeps {off} layers in host memory: {prompt_units:,} more tokens need "
                         f"{in_host / GIB:.1f} GiB there but {max(host_free, 0) / GIB:.1f} GiB is free; "
                         f"use {bounded_choice(engine)} or a shorter document")
 

@@ -139,3 +139,15 @@ def run_heads(args) -> int:
         raise UserError(f"no model card for {name!r}; carded models with an official LOCRET release: {releases_line()}")
     print(fetch_heads(card, revision=args.revision))
     return 0
+
+
+def run(args) -> int:
+    """`train-heads`, `import-heads` or `heads`, as `args.command` says."""
+    if args.command == "import-heads":
+        return run_import(args)
+    if args.command == "heads":
+        return run_heads(args)
+    from localchat.engine.engine import Engine
+
+    check(args)  # before the model loads
+    return run_train(args, Engine.load(args.model, chunk=args.chunk))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localchat.cli import build_parser, load_engine, main
+from localchat.args import load_engine
+from localchat.cli import build_parser, main
 from localchat.engine import loading
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done

@@ -301,7 +301,8 @@ def test_verify_loads_the_weights_and_kv_it_plans_for(tmp_path):
                                     ["--policy", "full"]])
 def test_plan_json_is_what_the_engine_loads_and_runs_with(policy, flags, tmp_path, capsys, monkeypatch):
     """One resolution: `plan --json` prints the RunSpec the engine then runs with, for a model without a card."""
-    from localchat.cli import build_parser, load_engine
+    from localchat.args import load_engine
+    from localchat.cli import build_parser
     from tiny import save_tiny
 
     monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
@@ -349,7 +350,8 @@ def _plan_json(argv, capsys) -> dict:
 def test_plan_chooses_the_precision_the_memory_allows_and_the_engine_loads_it(want, tmp_path, capsys, monkeypatch):
     """Device memory x precision: with exactly the memory `want` needs at the target budget (and every better
     choice needing more), the plan picks `want`, and the engine loads those weights and that cache."""
-    from localchat.cli import build_parser, load_engine
+    from localchat.args import load_engine
+    from localchat.cli import build_parser
     from tiny import save_tiny
 
     monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))

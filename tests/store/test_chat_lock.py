@@ -81,7 +81,7 @@ def test_ask_on_a_chat_the_window_holds_is_refused_before_the_model_loads(tiny_d
     window = ChatLock("s", tmp_path / "locks", WINDOW)
     assert window.try_acquire()
     loaded = []
-    monkeypatch.setattr("localchat.cli.load_engine", lambda args: loaded.append(1))
+    monkeypatch.setattr("localchat.args.load_engine", lambda args: loaded.append(1))
     assert main(["--model", tiny_dir, *FLAGS, "ask", "--session", "s", "q"]) == 2
     err = capsys.readouterr().err
     assert "open in the chat window of another localchat" in err and err.count("\n") == 1 and loaded == []

@@ -326,7 +326,7 @@ def test_a_locked_database_is_reported_before_the_model_answers(tmp_path, monkey
     holder = Store(tmp_path / "chats.sqlite3")
     holder.db.execute("BEGIN IMMEDIATE")  # another process in the middle of a save that never ends
     answered = []
-    monkeypatch.setattr("localchat.cli.load_engine", lambda args: answered.append(1))
+    monkeypatch.setattr("localchat.args.load_engine", lambda args: answered.append(1))
     assert main(["ask", "--session", "s", "q"]) == 2
     err = capsys.readouterr().err
     assert "cannot save chats" in err and "locked" in err and err.count("\n") == 1
