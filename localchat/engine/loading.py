@@ -11,7 +11,7 @@ import torch
 
 from localchat import paths
 from localchat.engine.cards import ModelCard, default_card, find_card
-from localchat.engine.default_model import Say, _stderr, build_checked, convert_gguf, ensure_default_model
+from localchat.engine.default_model import Say, Step, _stderr, build_checked, convert_gguf, ensure_default_model
 from localchat.errors import ModelError
 
 
@@ -85,6 +85,7 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
     from transformers.utils import logging as hf_logging
 
     source, card = resolve(spec, say, card)
+    say(Step("loading the model's weights"))  # a stage for progress displays; stderr drops it
     hf_logging.disable_progress_bar()  # a warm start prints nothing but the answer
     device = device or best_device()
     quantize.check(weights, device)
