@@ -163,6 +163,11 @@ class Session:
 
     def set_policy(self, policy, positions: str | None = None) -> None:
         self.engine.set_policy(policy, positions)
+        self.policy_changed()
+
+    def policy_changed(self) -> None:
+        """The engine runs another policy now: the next turn reads the conversation again."""
+        policy = self.engine.policy
         self.mark_stale(f"the policy is now {policy.name}" + (f" (budget {policy.budget})" if policy.evicts else ""))
 
     def set_engine(self, engine) -> None:

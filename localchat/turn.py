@@ -20,8 +20,8 @@ from localchat.errors import EXIT_FAIL, EXIT_USAGE, TooLong, UserError, check_te
 if TYPE_CHECKING:
     from localchat.engine.sampling import GenerationSettings
     from localchat.session import Session
-OUT_OF_MEMORY = ("out of memory while answering; the conversation is kept. Lower the budget or the chunk "
-                 "(--budget, --chunk), or use a shorter document")
+OUT_OF_MEMORY = ("out of memory while answering; the chat is kept. Lower the budget (--budget, /budget) or the "
+                 "chunk (--chunk), or use a shorter document")
 
 
 @dataclass(frozen=True)

@@ -93,9 +93,8 @@ def load_engine(cell: Cell):
     from localchat.engine.engine import Engine
     from localchat.planning.load import admit
 
-    engine = Engine.load(cell.model_spec, chunk=cell.chunk, say=_stderr, weights=cell.weights)
-    engine.admit = admit  # the memory check of policies that keep every token, as in the app
-    return engine
+    # with the memory check of policies that keep every token, as in the app
+    return Engine.load(cell.model_spec, chunk=cell.chunk, say=_stderr, weights=cell.weights, admit=admit)
 
 
 def use_policy(engine, cell: Cell) -> None:

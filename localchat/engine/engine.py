@@ -37,49 +37,66 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, name: str = "model", card: ModelCard | None = None,
                  chunk: int | None = None, policy: Policy | None = None, positions: str | None = None,
-                 kv: str | None = None):
+                 kv: str | None = None, weights: str | None = None, admit=None, spec=None):
+        """`policy`: full attention when None. `weights`: the --weights the model was loaded with (None: as stored).
+        `admit(engine, prompt units, max new, held units)`: a memory check that raises UserError for what the
+        memory cannot hold, before it is read (planning/load.py's). `spec`: the RunSpec the engine was built from,
+        when it was (localchat/config.py)."""
         self.model = model
-        self.weights: str | None = None  # the --weights the model was loaded with (None: as stored)
-        self.kv = kv or "none"  # retained units stored quantized: int8 / int4 / int2 (engine/qcache.py)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.card = card
+        self.weights = weights
+        self.admit = admit
         self.fused_decode = True  # decode on a quantized cache reads it packed (engine/qattention.py)
         self.lean_decode = True  # decode Llama-layout models without transformers' forward (engine/decode_step.py)
         self.graph_decode = True  # on CUDA, a decoded token is one CUDA graph replay (engine/graph_step.py)
         self._graph: GraphStep | None = None  # the last one: a chat's next turn on the same cache replays it
         self._said_eager: set[str] = set()  # why CUDA decoding ran eagerly, said once each
-        self.admit = None  # (engine, prompt units, max new, held units) -> None, raising UserError: a memory check
-        self.spec = None  # the RunSpec it was loaded from (localchat/config.py), when it was
-        if self.kv not in KV_CHOICES:
-            raise UserError(f"unknown --kv {self.kv!r}; choose one of: {', '.join(KV_CHOICES)}")
-        self.tokenizer = tokenizer
-        self.name = name
-        self.card = card
-        self.chunk = chunk or card_chunk(card)
-        self.set_policy(policy or make_policy(PLAIN_POLICY), positions)
         self.device = next(model.parameters()).device
         self.window = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.stop_ids = self._stop_ids()
+        self.policy, self.positions, self.chunk, self.kv, self.spec = None, "original", card_chunk(card), "none", None
+        self.configure(policy or make_policy(PLAIN_POLICY), positions=positions, chunk=chunk, kv=kv, spec=spec)
 
     @classmethod
-    def load(cls, spec: str | None = None, *, chunk: int | None = None, device: torch.device | None = None,
-             policy: Policy | None = None, positions: str | None = None, say=loading._stderr,
-             weights: str | None = None, kv: str | None = None, before_weights=None,
-             card=loading.LOOK_UP) -> "Engine":
-        """`card`: the model's card when the caller has looked it up (None: it has none)."""
+    def load(cls, spec: str | None = None, *, device: torch.device | None = None, say=loading._stderr,
+             weights: str | None = None, before_weights=None, card=loading.LOOK_UP, **settings) -> "Engine":
+        """Load model `spec` (None: the embedded default) at `weights`; `settings` are the constructor's (chunk,
+        policy, positions, kv, admit, spec). `card`: the model's card when the caller has looked it up (None: it
+        has none)."""
         loaded = loading.load(spec, device=device, say=say, weights=weights, before_weights=before_weights,
                               card=card)
-        engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, chunk=chunk,
-                     policy=policy, positions=positions, kv=kv)
-        engine.weights = weights
+        return cls.of(loaded, weights=weights, say=say, **settings)
+
+    @classmethod
+    def of(cls, loaded: loading.Loaded, *, weights: str | None = None, say=loading._stderr, **settings) -> "Engine":
+        """An engine over a loaded model (loading.load's), with the constructor's `settings`."""
+        engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, weights=weights, **settings)
         if engine.device.type == "cpu" and engine.lean_decode:
             cpu_decode.prepare(say)
         return engine
 
+    def configure(self, policy: Policy | None = None, *, positions: str | None = None, chunk: int | None = None,
+                  kv: str | None = None, spec=None) -> None:
+        """What the engine runs with (each None keeps what it has): the one place these change. Positions default
+        to the policy's own (compact for policies that evict, original for the others)."""
+        kv = kv or self.kv
+        if kv not in KV_CHOICES:
+            raise UserError(f"unknown --kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
+        policy = policy or self.policy
+        if policy is not self.policy or positions is not None:
+            positions = positions or policy.positions_default()
+            if positions not in POSITION_MODES:
+                raise UserError(f"unknown position mode {positions!r}; choose one of: {', '.join(POSITION_MODES)}")
+            self.policy, self.positions = policy, positions
+        self.kv = kv
+        self.chunk = chunk or self.chunk
+        self.spec = spec if spec is not None else self.spec
+
     def set_policy(self, policy: Policy, positions: str | None = None) -> None:
-        """Use `policy`; positions default to compact for evicting policies, original otherwise."""
-        positions = positions or (policy.default_positions if policy.evicts else "original")
-        if positions not in POSITION_MODES:
-            raise UserError(f"unknown position mode {positions!r}; choose one of: {', '.join(POSITION_MODES)}")
-        self.policy, self.positions = policy, positions
+        """Use `policy` (at `positions`, or the policy's default)."""
+        self.configure(policy, positions=positions)
 
     # --- prompts -------------------------------------------------------------------------------
 

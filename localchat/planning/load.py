@@ -10,6 +10,7 @@ from pathlib import Path
 from localchat.config import PolicySpec, RunSpec
 from localchat.engine.engine import Engine
 from localchat.engine.heads import RetainingHeads
+from localchat.engine import loading
 from localchat.engine.loading import _stderr
 from localchat.engine.policies import Policy, make_policy
 from localchat.errors import TooLong, UserError
@@ -36,68 +37,72 @@ def heads_source(spec: PolicySpec, card, name: str) -> Path | str | None:
     return directory
 
 
-def build_policy(engine: Engine, spec: PolicySpec, heads: Path | str | None = None) -> Policy:
-    """The policy `spec` names, for `engine`, with its retaining heads from `heads` (heads_source: found here
-    when not given)."""
+def build_policy(engine_or_model, spec: PolicySpec, heads: Path | str | None = None, card=None,
+                 name: str = "") -> Policy:
+    """The policy `spec` names, for a model (an Engine's, or a loaded model with its `card` and `name`), with its
+    retaining heads from `heads` (heads_source: found here when not given)."""
+    model = getattr(engine_or_model, "model", engine_or_model)
+    if isinstance(engine_or_model, Engine):
+        card, name = engine_or_model.card, engine_or_model.name
     settings = spec.settings()
     settings.pop("heads", None)
     if spec.has_heads():
-        where = heads if heads is not None else heads_source(spec, engine.card, engine.name)
+        where = heads if heads is not None else heads_source(spec, card, name)
         if where == "random":
-            settings["heads"] = RetainingHeads.random(engine.model)
+            settings["heads"] = RetainingHeads.random(model)
         else:
             settings["heads"] = RetainingHeads.load(where)
-            settings["heads"].check_fits(engine.model)
+            settings["heads"].check_fits(model)
     return make_policy(spec.name, **settings)
 
 
 def use_policy(engine: Engine, spec: PolicySpec, *, kv: str | None = None, chunk: int | None = None,
                heads: Path | str | None = None, session=None) -> None:
-    """Set `engine` to the policy `spec` (and the cache type and chunk, when given): the one place the app, the
-    chat window and the bench change what an engine runs. `session`: a chat over the engine, told its cache no
-    longer fits (its next turn reads the conversation again)."""
+    """Set `engine` to the policy `spec` (and the cache type and chunk, when given). `session`: a chat over the
+    engine, told its cache no longer fits (its next turn reads the conversation again)."""
     policy = build_policy(engine, spec, heads)
-    (session.set_policy if session is not None else engine.set_policy)(policy, spec.positions)
-    if kv is not None:
-        engine.kv = kv
-    if chunk is not None:
-        engine.chunk = chunk
+    engine.configure(policy, positions=spec.positions, kv=kv, chunk=chunk)
+    if session is not None:
+        session.policy_changed()
 
 
 def use_spec(engine: Engine, spec: RunSpec, session=None) -> None:
     """Set `engine` to `spec`'s policy (with the heads `spec.heads_dir` names, when found already), positions,
-    chunk and cache type (the model stays)."""
-    use_policy(engine, spec.policy, kv=spec.kv, chunk=spec.chunk, heads=spec.heads_dir, session=session)
-    engine.spec = spec
+    chunk and cache type (the model stays): how the app, the chat window and the bench change what an engine
+    runs."""
+    policy = build_policy(engine, spec.policy, spec.heads_dir)
+    engine.configure(policy, positions=spec.policy.positions, kv=spec.kv, chunk=spec.chunk, spec=spec)
+    if session is not None:
+        session.policy_changed()
 
 
 def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
-    """Load the model and set it to `spec`. The heads are found (or fetched) first, once, before a multi-minute
-    load; where `spec` has no plan yet for a bounded policy (its shape was unknown before loading), plan now
-    with the loaded model's exact size. `engine.spec` is what runs."""
+    """The engine `spec` describes, built once: the heads are found (or fetched) first, before a multi-minute load;
+    where `spec` has no plan yet for a bounded policy (its shape was unknown before loading), it is planned with the
+    loaded model's exact size. `engine.spec` is what runs; `admit` is its memory check."""
     card = spec.card  # resolve() checked the architecture and looked the card up
     spec = replace(spec, heads_dir=heads_source(spec.policy, card, card.name if card else str(spec.model)))
-    engine = Engine.load(spec.model, weights=spec.weights, say=say, before_weights=before_weights, card=card)
-    engine.admit = admit
+    loaded = loading.load(spec.model, weights=spec.weights, say=say, before_weights=before_weights, card=card)
     if spec.plan is None and spec.policy.cls.bounded():
-        spec = plan_loaded(engine, spec)
-    use_spec(engine, spec)
-    return engine
+        spec = plan_loaded(loaded.model, loaded.card, loaded.name, spec)
+    policy = build_policy(loaded.model, spec.policy, spec.heads_dir, loaded.card, loaded.name)
+    return Engine.of(loaded, weights=spec.weights, say=say, policy=policy, positions=spec.policy.positions,
+                     chunk=spec.chunk, kv=spec.kv, admit=admit, spec=spec)
 
 
-def plan_loaded(engine: Engine, spec: RunSpec, say=lambda line: print(line, file=sys.stderr)) -> RunSpec:
-    """Plan `spec` for the loaded `engine`: the free memory plus what its weights already take."""
+def plan_loaded(model, card, name: str, spec: RunSpec, say=lambda line: print(line, file=sys.stderr)) -> RunSpec:
+    """Plan `spec` for a loaded `model`: the free memory plus what its weights already take."""
     import torch
 
-    device = memory.detect("cuda" if engine.device.type == "cuda" else "cpu")
-    weights = model_bytes(engine.model)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    device = memory.detect("cuda" if on_cuda else "cpu")
+    weights = model_bytes(model)
     usable = device.free + (weights if device.kind == "cpu" else torch.cuda.memory_allocated())
-    act = dtype_name(next(engine.model.parameters()).dtype)
-    shape = Shape.from_config(engine.model.config, name=engine.name)
+    act = dtype_name(next(model.parameters()).dtype)
+    shape = Shape.from_config(model.config, name=name)
     target = Target(usable, f"free on {device.describe()}", device.kind)
     fixed = fixed_fields(spec) | {"weights"}  # loaded: the weights are what they are
-    return plan_spec(spec, shape, engine.card, target, fixed=fixed, weights_exact=weights, act=act,
-                     say=say)
+    return plan_spec(spec, shape, card, target, fixed=fixed, weights_exact=weights, act=act, say=say)
 
 
 def admit(engine: Engine, prompt_units: int, max_new: int, held: int = 0) -> None:
@@ -142,7 +147,8 @@ def fit_document(engine: Engine, spec: RunSpec, tokens: int, held: int = 0) -> R
     except UserError:
         pass
     try:
-        return plan_loaded(engine, no_heads_spec(spec, engine.card, engine.device.type), say=lambda line: None)
+        return plan_loaded(engine.model, engine.card, engine.name, no_heads_spec(spec, engine.card, engine.device.type),
+                           say=lambda line: None)
     except UserError:  # not even a bounded cache fits: the turn's own refusal says why
         return None
 

@@ -8,6 +8,7 @@ A client that goes away, while waiting or while reading the stream, cancels its 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -23,8 +24,8 @@ from localchat import __version__
 from localchat.engine.events import Token
 from localchat.engine.sampling import GenerationSettings
 from localchat.server import ollama, openai
-from localchat.server.conversations import Answered
-from localchat.server.turns import BadRequest, Turn
+from localchat.server.conversations import Answered, Named, log
+from localchat.server.turns import BadRequest, Turn, refusal
 from localchat.server.worker import END, Busy, Job, Worker
 
 RETRY_AFTER = 5  # seconds a client told the queue is full waits before trying again
@@ -47,7 +48,8 @@ class Gone(Exception):
 
 
 class Answer:
-    """A queued job's items as the request reads them; the client's disconnect cancels the job."""
+    """A queued job's items as the request reads them (Token, then Answered or CANCELLED); the client's disconnect
+    cancels the job."""
 
     def __init__(self, job: Job, request: Request):
         self.job = job
@@ -55,6 +57,8 @@ class Answer:
         self.watch = asyncio.ensure_future(_disconnect(request))
 
     async def next(self):
+        """The next item: a Token, an Answered, CANCELLED or END; raises the BadRequest that refuses the job, or
+        Gone."""
         while True:
             get = asyncio.ensure_future(self.job.items.get())
             done, _ = await asyncio.wait({get, self.watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -63,12 +67,22 @@ class Answer:
                 self.close()
                 raise Gone
             item = get.result()
-            if isinstance(item, str):
-                self.name = item
+            if isinstance(item, Named):
+                self.name = item.name
                 continue
-            if isinstance(item, Exception):
+            if isinstance(item, BadRequest):
                 raise item
             return item
+
+    async def items(self, first) -> AsyncIterator:
+        """`first`, then every item up to END; the job is let go of at the end, however the reader stops."""
+        try:
+            item = first
+            while item is not END:
+                yield item
+                item = await self.next()
+        finally:
+            self.close()
 
     def close(self) -> None:
         self.job.cancel.set()  # a job that has ended ignores it
@@ -87,10 +101,14 @@ async def _body(request: Request, limit: int) -> dict:
     if length.isdigit() and int(length) > limit:
         raise too_big
     data = bytearray()
-    async for piece in request.stream():
-        data += piece
-        if len(data) > limit:
-            raise too_big
+    try:
+        async for piece in request.stream():
+            data += piece
+            if len(data) > limit:
+                raise too_big
+    except ClientDisconnect:
+        log(f"a client went away while sending its request to {request.url.path}")
+        raise Gone from None
     try:
         body = json.loads(bytes(data))
     except (ValueError, RecursionError) as exc:
@@ -134,17 +152,14 @@ def _headers(answer: Answer) -> dict:
     return {HEADER: answer.name} if answer.name else {}
 
 
-async def _text_until_end(answer: Answer, item) -> tuple[str, Answered | None]:
+async def _collect(answer: Answer, first) -> tuple[str, Answered | None]:
+    """The whole answer's text, and its Answered (None when it was cancelled)."""
     pieces, result = [], None
-    try:
-        while item is not END:
-            if isinstance(item, Token):
-                pieces.append(item.text)
-            elif isinstance(item, Answered) or item is None:
-                result = item
-            item = await answer.next()
-    finally:
-        answer.close()
+    async for item in answer.items(first):
+        if isinstance(item, Token):
+            pieces.append(item.text)
+        elif isinstance(item, Answered):
+            result = item
     return "".join(pieces), result
 
 
@@ -156,7 +171,7 @@ def _usage(result: Answered) -> dict:
 async def chat_completions(request: Request) -> Response:
     state, turn, answer, first = await _start(request, openai.parse)
     if not turn.stream:
-        _, result = await _text_until_end(answer, first)
+        _, result = await _collect(answer, first)
         if result is None:
             return Response(status_code=499)
         return JSONResponse(openai.completion(openai.new_id(), state.model, result.done, _usage(result)),
@@ -165,7 +180,7 @@ async def chat_completions(request: Request) -> Response:
                              headers={"Cache-Control": "no-cache", **_headers(answer)})
 
 
-async def _sse(state: State, turn: Turn, answer: Answer, item) -> AsyncIterator[str]:
+async def _sse(state: State, turn: Turn, answer: Answer, first) -> AsyncIterator[str]:
     cid, model, usage = openai.new_id(), state.model, turn.usage_in_stream
 
     def data(obj) -> str:
@@ -173,7 +188,7 @@ async def _sse(state: State, turn: Turn, answer: Answer, item) -> AsyncIterator[
 
     try:
         yield data(openai.chunk(cid, model, {"role": "assistant", "content": ""}, with_usage=usage))
-        while item is not END:
+        async for item in answer.items(first):
             if isinstance(item, Token) and item.text:
                 yield data(openai.chunk(cid, model, {"content": item.text}, with_usage=usage))
             elif isinstance(item, Answered):
@@ -181,16 +196,11 @@ async def _sse(state: State, turn: Turn, answer: Answer, item) -> AsyncIterator[
                                         with_usage=usage))
                 if usage:
                     yield data(openai.usage_chunk(cid, model, _usage(item)))
-            try:
-                item = await answer.next()
-            except BadRequest as exc:
-                yield data(openai.error(exc.message, "invalid_request_error", exc.param, exc.code))
-                break
-        yield "data: [DONE]\n\n"
+    except BadRequest as exc:
+        yield data(openai.error(exc.message, "invalid_request_error", exc.param, exc.code))
     except Gone:  # nobody reads the rest
         return
-    finally:
-        answer.close()
+    yield "data: [DONE]\n\n"
 
 
 async def ollama_chat(request: Request) -> Response:
@@ -205,7 +215,7 @@ async def _ollama(request: Request, parse, generate: bool) -> Response:
     started = time.perf_counter()
     state, turn, answer, first = await _start(request, parse)
     if not turn.stream:
-        text, result = await _text_until_end(answer, first)
+        text, result = await _collect(answer, first)
         if result is None:
             return Response(status_code=499)
         return JSONResponse(ollama.final(state.model, result.done, text, started, generate), headers=_headers(answer))
@@ -213,22 +223,17 @@ async def _ollama(request: Request, parse, generate: bool) -> Response:
                              headers=_headers(answer))
 
 
-async def _ndjson(state: State, answer: Answer, item, started: float, generate: bool) -> AsyncIterator[str]:
+async def _ndjson(state: State, answer: Answer, first, started: float, generate: bool) -> AsyncIterator[str]:
     try:
-        while item is not END:
+        async for item in answer.items(first):
             if isinstance(item, Token) and item.text:
                 yield json.dumps(ollama.line(state.model, item.text, generate)) + "\n"
             elif isinstance(item, Answered):
                 yield json.dumps(ollama.final(state.model, item.done, "", started, generate)) + "\n"
-            try:
-                item = await answer.next()
-            except BadRequest as exc:
-                yield json.dumps({"error": exc.message}) + "\n"
-                break
+    except BadRequest as exc:
+        yield json.dumps({"error": exc.message}) + "\n"
     except Gone:
         return
-    finally:
-        answer.close()
 
 
 async def models(request: Request) -> Response:
@@ -270,12 +275,22 @@ async def _gone(request: Request, exc: Gone) -> Response:
     return Response(status_code=499)  # nobody reads it
 
 
-async def _failed(request: Request, exc: Exception) -> Response:
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    message = f"the server failed to answer ({first})"
-    if request.url.path.startswith("/api/"):
-        return JSONResponse({"error": message}, 500)
-    return JSONResponse(openai.error(message, "server_error"), 500)
+def _guarded(route):
+    """`route`, with whatever it raises answered here in one sentence and logged in one line: an exception that
+    reached Starlette's last handler would print its traceback into the server's log."""
+
+    @functools.wraps(route)
+    async def guarded(request: Request) -> Response:
+        try:
+            return await route(request)
+        except (BadRequest, Gone):
+            raise  # answered by their handlers
+        except Exception as exc:  # noqa: BLE001
+            refused = refusal(exc)
+            log(f"{request.url.path} failed: {refused.message}")
+            return await _refused(request, refused)
+
+    return guarded
 
 
 def build_app(state: State) -> Starlette:
@@ -284,6 +299,7 @@ def build_app(state: State) -> Starlette:
         Route("/api/tags", tags), Route("/api/show", show, methods=["POST"]), Route("/api/version", version),
         Route("/api/chat", ollama_chat, methods=["POST"]), Route("/api/generate", ollama_generate, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={BadRequest: _refused, Gone: _gone, Exception: _failed})
+    routes = [Route(r.path, _guarded(r.endpoint), methods=r.methods) for r in routes]
+    app = Starlette(routes=routes, exception_handlers={BadRequest: _refused, Gone: _gone})
     app.state.server = state
     return app

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from localchat.engine.events import Done, Error, Token
-from localchat.errors import UserError
-from localchat.server.turns import BadRequest, Turn
+from localchat.server.turns import BadRequest, Turn, refusal
 from localchat.session import Session
 
 PREFIX = "serve-"
@@ -41,6 +41,18 @@ def split_system(messages: list[dict]) -> tuple[str | None, list[dict]]:
         n += 1
     system = "\n\n".join(m["content"] for m in messages[:n]).strip()
     return system or None, messages[n:]
+
+
+def log(line: str) -> None:
+    """One line in the server's log (stderr)."""
+    print(f"localchat: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Named:
+    """A job's first item: the conversation that answers it."""
+
+    name: str
 
 
 @dataclass
@@ -136,29 +148,30 @@ class Conversations:
 
     def answer(self, turn: Turn, cancel, put: Callable) -> Answered | None:
         """Answer `turn`, passing each Token to `put`; save the turn. None when cancelled (nothing is kept)."""
+        from localchat import turn as turns
+
         again = self._asked_again(turn) if turn.conversation is None else None
         session = again or self.open(turn)
-        put(session.name)  # the request's first item: which conversation answers
+        put(Named(session.name))  # the request's first item: which conversation answers
         lock = self.store.chat_lock(session.name, "serve")
         if not lock.try_acquire():
             raise BadRequest(f"{lock.in_use()}; try again when it is done", "conversation", "conversation_in_use", 409)
         try:
             final = None
-            events = session.retry(turn.settings, cancel) if again else \
-                session.send(turn.question, (), turn.settings, cancel)
-            for event in events:
+            for event in turns.answer(session, turn.question, (), turn.settings, cancel, save=self.store.save,
+                                      again=again is not None):
                 if isinstance(event, Token):
                     put(event)
+                elif isinstance(event, turns.Unsaved):
+                    log(event.message)
                 elif isinstance(event, (Done, Error)):
                     final = event
             if isinstance(final, Error):
                 self.live.pop(session.name, None)
-                raise BadRequest(final.message, "messages", "context_length_exceeded") \
-                    if isinstance(final.exc, UserError) else RuntimeError(final.message)
+                raise refusal(final)
             if final is None or final.stop_reason == "cancelled":
                 self.live.pop(session.name, None)  # the store holds what it held before this turn
                 return None
-            self.store.save(session)
         finally:
             lock.release()
         self._index(session.name, key(session.system, session.messages))

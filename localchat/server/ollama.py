@@ -28,9 +28,12 @@ def parse_generate(body: dict, defaults: GenerationSettings) -> Turn:
     prompt = turns.get(body, "prompt", str, "a string")
     if not prompt or not prompt.strip():
         raise BadRequest("`prompt` must be a non-empty string", "prompt", "invalid_value")
+    turns.text(prompt, "prompt")
     if body.get("images"):
         raise BadRequest("`images` is not supported: this server reads text only", "images", "unsupported")
     system = turns.get(body, "system", str, "a string")
+    if system:
+        turns.text(system, "system")
     return _turn(body, defaults, [*([{"role": "system", "content": system}] if system else []),
                                   {"role": "user", "content": prompt}])
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, replace
 
 from localchat.engine.sampling import GenerationSettings
+from localchat.errors import UserError, check_text
 
 ROLES = ("system", "user", "assistant")
 MAX_NEW = 32768  # the longest answer a request may ask for
@@ -33,6 +34,25 @@ class Turn:
     @property
     def question(self) -> str:
         return self.messages[-1]["content"]
+
+
+def refusal(problem) -> BadRequest:
+    """An exception, or the engine's Error event, as the request's answer (localchat/turn.py's one mapping)."""
+    from localchat.turn import failure
+
+    if isinstance(problem, BadRequest):
+        return problem
+    found = failure(problem)
+    param = "messages" if found.kind in ("input", "too_long") else None
+    return BadRequest(found.message[:300], param, found.code, found.http_status)
+
+
+def text(value: str, param: str) -> str:
+    """`value` when it is text that can be read (no lone surrogate, as a JSON escape such as \\ud800 gives)."""
+    try:
+        return check_text(value, f"`{param}`")
+    except UserError as exc:
+        raise BadRequest(str(exc), param, "invalid_value") from None
 
 
 def _kind(value) -> str:
@@ -73,14 +93,14 @@ def number(body: dict, name: str, low: float, high: float, param: str | None = N
 def text_of(content, param: str) -> str:
     """A message's text: a string, or OpenAI's list of text parts."""
     if isinstance(content, str):
-        return content
+        return text(content, param)
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise BadRequest(f"`{param}[{i}]` must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
                                  f"this server reads text only", f"{param}[{i}]", "invalid_value")
-            parts.append(part["text"])
+            parts.append(text(part["text"], f"{param}[{i}].text"))
         return "".join(parts)
     raise wrong(param, "a string", content)
 
@@ -121,7 +141,7 @@ def messages(body: dict, *, parts: bool) -> list[dict]:
 def _plain(content, param: str) -> str:
     if not isinstance(content, str):
         raise wrong(param, "a string", content)
-    return content
+    return text(content, param)
 
 
 def stops(value, param: str) -> tuple[str, ...]:

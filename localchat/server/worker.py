@@ -1,8 +1,9 @@
 """The engine's one worker: requests run one at a time, in arrival order, from a bounded queue.
 
-A request becomes a Job; the HTTP side awaits its items (Token events, then an Answered, None when cancelled, or a
-BadRequest / an exception) on an asyncio queue the worker thread fills. Setting `job.cancel` (the client went away)
-stops the engine at its next chunk or token, or skips the job if it has not started; nothing of it is saved.
+A request becomes a Job; the HTTP side awaits its items on an asyncio queue the worker thread fills: the
+conversation's `Named`, Token events, then an `Answered`, `CANCELLED`, or the `BadRequest` that refuses it; `END`
+last. Setting `job.cancel` (the client went away) stops the engine at its next chunk or token, or skips the job if
+it has not started; nothing of it is saved.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import asyncio
 import queue
 import threading
 
-from localchat.server.turns import BadRequest, Turn
+from localchat.server.conversations import log
+from localchat.server.turns import Turn, refusal
 
 END = object()  # the last item of every job
+CANCELLED = object()  # the job was cancelled: nothing of it is kept
 
 
 class Busy(Exception):
@@ -56,15 +59,13 @@ class Worker:
                 return
             self.current = job
             try:
-                if not job.cancel.is_set():
-                    job.put(self.conversations.answer(job.turn, job.cancel, job.put))
-                else:
-                    job.put(None)
-            except BadRequest as exc:
-                job.put(exc)
+                answered = self.conversations.answer(job.turn, job.cancel, job.put) if not job.cancel.is_set() else None
+                job.put(answered if answered is not None else CANCELLED)
             except Exception as exc:  # noqa: BLE001 - a failure the request reports in one sentence
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-                job.put(BadRequest(f"the server failed to answer ({first})", None, "server_error", 500))
+                refused = refusal(exc)
+                if refused.status >= 500:
+                    log(f"a request failed: {refused.message}")
+                job.put(refused)
             finally:
                 job.put(END)
                 self.current = None
@@ -78,7 +79,7 @@ class Worker:
                 break
             if job is not None:
                 job.cancel.set()
-                job.put(None)
+                job.put(CANCELLED)
                 job.put(END)
         current = self.current
         if current is not None:

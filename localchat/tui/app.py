@@ -28,7 +28,8 @@ class LocalChatApp(App):
         self.chat_name: str | None = None
         self.chat_lock = None  # the lock of the saved chat shown (localchat/store/chat_lock.py): no `ask` writes into it
         self.loader = loader
-        self.spec = spec  # the run's settings (localchat/config.py); the loaded engine's own once it loads
+        self.load_say: Callable[[str], None] = lambda line: None  # the loader's lines: the chat screen shows them
+        self._spec = spec  # the run's settings (localchat/config.py) until an engine loads: then the engine's
         self.settings = settings or (spec.generation if spec is not None else GenerationSettings())
         self.profile_name: str | None = spec.profile if spec is not None else None  # the device profile (/profile)
         self.max_bytes = max_bytes
@@ -53,9 +54,22 @@ class LocalChatApp(App):
 
     # --- state -----------------------------------------------------------------------------------
 
+    @property
+    def spec(self) -> RunSpec | None:
+        """The settings in force: the engine's (a turn may change them, fitting a long document), or the ones
+        resolved at start-up while it loads."""
+        if self.engine is not None and self.engine.spec is not None:
+            return self.engine.spec
+        return self._spec
+
+    @spec.setter
+    def spec(self, value: RunSpec | None) -> None:
+        self._spec = value
+
     def use_engine(self, engine) -> None:
         self.engine = engine
-        self.spec = engine.spec or self.spec or spec_of(engine)
+        if engine.spec is None:  # an engine built without settings (tests, embedders): its own as they stand
+            engine.configure(spec=self._spec or spec_of(engine))
         self.profile_name = self.spec.profile
         self.new_session()
 
@@ -92,22 +106,6 @@ class LocalChatApp(App):
 
         self._use_spec(with_policy(self.spec, self.engine.card, self.engine.device.type, name, budget=budget))
 
-    def fit_document(self, text: str) -> str | None:
-        """A document (`text`) longer than the default full attention holds turns the chat to the bounded policy
-        without heads; the line that says so, else None."""
-        from localchat.engine.policies import NO_HEADS_POLICY
-        from localchat.planning.load import fit_document
-
-        if self.spec is None:
-            return None
-        spec = fit_document(self.engine, self.spec, self.engine.count_tokens(text), self.session.kv_units)
-        if spec is None:
-            return None
-        self._use_spec(spec)
-        return (f"full attention cannot hold this document in the memory found: reading it with "
-                f"{NO_HEADS_POLICY}, the best policy without trained heads in this project's benchmarks (a bounded "
-                f"cache). Trained heads keep more: `localchat train-heads`, then /policy locret")
-
     def _use_spec(self, spec: RunSpec) -> None:
         from localchat.planning.load import use_spec
 
@@ -139,13 +137,12 @@ class LocalChatApp(App):
         engine = self.engine
         before = (engine.policy, engine.positions, engine.chunk, engine.spec)
         if spec is not None:
-            engine.set_policy(build_policy(engine, spec.policy), spec.policy.positions)
-            engine.chunk, engine.spec = spec.chunk, spec
+            engine.configure(build_policy(engine, spec.policy), positions=spec.policy.positions, chunk=spec.chunk,
+                             spec=spec)
         try:
             yield
         except BaseException:
-            engine.set_policy(before[0], before[1])
-            engine.chunk, engine.spec = before[2], before[3]
+            engine.configure(before[0], positions=before[1], chunk=before[2], spec=before[3])
             raise
 
     def use_profile(self, name: str) -> str:
@@ -226,12 +223,19 @@ def spec_of(engine) -> RunSpec:
 
 
 def run_tui(spec: RunSpec, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
-    """`localchat` with no subcommand: the chat window; the plan is made and the model loads in the background."""
+    """`localchat` with no subcommand: the chat window; the plan is made and the model loads in the background,
+    saying how far it is in the window (the first start fetches and converts the default model). What child
+    processes and C libraries print goes to a log in the cache directory, never onto the window."""
+    from localchat import paths
+    from localchat.tui.output import window_only
+
     def load():
         from localchat.planning.load import load_engine
         from localchat.planning.resolve import complete
 
-        return load_engine(complete(spec))
+        return load_engine(complete(spec), say=lambda line: app.load_say(line))
 
-    LocalChatApp(loader=load, spec=spec, max_bytes=max_bytes).run()
+    with window_only(paths.cache_dir() / "window-output.log"):
+        app = LocalChatApp(loader=load, spec=spec, max_bytes=max_bytes)
+        app.run()
     return 0

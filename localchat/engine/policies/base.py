@@ -36,13 +36,15 @@ Policies with per-unit state beyond `scores` follow the cache's gathers by origi
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from localchat.errors import UserError
 
-PROTECT = torch.finfo(torch.float32).max  # "+inf" that survives arithmetic (as LOCRET's code does)
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is made, so the planner and the command line read policies without it
+PROTECT = 3.4028234663852886e38  # torch.finfo(torch.float32).max: "+inf" that survives arithmetic (as LOCRET's code does)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,11 @@ class Policy:
         for flag in ("local", "decode_window"):
             if getattr(self, flag) < 0:
                 raise UserError(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(self, flag)})")
+
+    @classmethod
+    def positions_default(cls) -> str:
+        """The positions a policy runs at unless told: its `default_positions` when it evicts, else original."""
+        return cls.default_positions if cls.evicts else "original"
 
     @classmethod
     def settle(cls, values: dict[str, Any], given: set[str]) -> dict[str, Any]:
@@ -194,6 +201,8 @@ def protect_first(prio: torch.Tensor, positions: torch.Tensor, count: int) -> to
 def follow(then: torch.Tensor, now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each unit held now sat before: `then` `[H, m]` and `now` `[H, n]` are original positions,
     ascending per head. Returns (slot in `then` `[H, n]`, found `[H, n]` bool)."""
+    import torch
+
     h, n = now.shape
     if then.shape[-1] == 0:
         return torch.zeros((h, n), dtype=torch.long, device=now.device), torch.zeros((h, n), dtype=torch.bool, device=now.device)

@@ -26,6 +26,7 @@ from localchat.tui.saved_chats import SavedChats
 from localchat.tui.text import one_line
 from localchat.tui.widgets.chat_list import ChatList
 from localchat.tui.widgets.chips import ChipBar, chip_label
+from localchat.tui.widgets.loading import LoadProgress
 from localchat.tui.widgets.messages import AssistantMessage, Note, UserMessage
 from localchat.tui.widgets.progress import PrefillProgress
 from localchat.tui.widgets.prompt import Prompt
@@ -33,8 +34,6 @@ from localchat.tui.widgets.retained import RetainedMap, map_text
 from localchat.tui.widgets.status import StatusLine, status_text
 
 PROGRESS_EVERY_S = 0.1
-OUT_OF_MEMORY = ("out of memory while answering; the chat is kept. Try /budget with a smaller number, "
-                 "a smaller --chunk, or a shorter document")
 
 
 @dataclass
@@ -129,19 +128,30 @@ class ChatScreen(CommandHandlers, Attachments, SavedChats, Screen):
     # --- engine loading --------------------------------------------------------------------------
 
     def _load_engine(self) -> None:
+        from localchat.engine.default_model import FetchError
+
+        view = LoadProgress()
+        self.app.call_from_thread(self.conversation.mount, view)
+        self.app.load_say = view.say
         try:
             engine = self.app.loader()
         except Exception as exc:  # noqa: BLE001 - shown in the chat; the app stays up
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            self.post_message(EngineLoaded(error=first))
+            if isinstance(exc, FetchError):  # it says what to do
+                text = f"{first}. Commands still work."
+            else:
+                text = f"could not load the model: {first}. Fix --model and restart; commands still work."
+            self.post_message(EngineLoaded(error=text))
             return
         heap.freeze()  # here, while "loading the model…" shows, not during a chat
         self.post_message(EngineLoaded(engine))
 
     def on_engine_loaded(self, msg: EngineLoaded) -> None:
+        self.app.load_say = lambda line: None
+        for view in self.query(LoadProgress):
+            view.remove()
         if msg.error:
-            self.note(f"could not load the model: {msg.error}. Fix --model and restart; "
-                      f"commands still work.", error=True)
+            self.note(msg.error, error=True)
         else:
             self.app.use_engine(msg.engine)
             self.note(self.welcome())
@@ -209,29 +219,19 @@ class ChatScreen(CommandHandlers, Attachments, SavedChats, Screen):
         self.run_worker(lambda: self._run_turn(turn), thread=True, group="turn")
 
     def _run_turn(self, turn: Turn) -> None:
-        app = self.app
-        try:
-            with app.engine_lock:
-                shown = 0.0
-                switched = app.fit_document("".join(d.text for d, _ in turn.documents)) if turn.documents else None
-                if switched:
-                    self.post_message(EngineEvent(Notice(switched)))
-                for event in app.session.send(turn.question, [d for d, _ in turn.documents], app.settings,
-                                              turn.cancel):
-                    if isinstance(event, Progress):  # at most 10 redraws a second keep the keys snappy
-                        now = time.monotonic()
-                        if now - shown < PROGRESS_EVERY_S and event.done < event.total:
-                            continue
-                        shown = now
-                    self.post_message(EngineEvent(event))
-                    if isinstance(event, Done) and event.stop_reason != "cancelled":
-                        self._save()
-        except Exception as exc:  # noqa: BLE001 - the conversation and the app survive anything
-            import torch  # (the session puts itself back as before the turn when its stream is dropped)
+        from localchat.turn import answer
 
-            oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-            text = OUT_OF_MEMORY if oom else f"the engine failed: {one_line(exc)}"
-            self.post_message(EngineEvent(Error(text, exc)))
+        app = self.app
+        with app.engine_lock:
+            shown = 0.0
+            for event in answer(app.session, turn.question, [d for d, _ in turn.documents], app.settings,
+                                turn.cancel, save=lambda _: self._save()):
+                if isinstance(event, Progress):  # at most 10 redraws a second keep the keys snappy
+                    now = time.monotonic()
+                    if now - shown < PROGRESS_EVERY_S and event.done < event.total:
+                        continue
+                    shown = now
+                self.post_message(EngineEvent(event))
         self.post_message(TurnEnded())
 
     async def on_engine_event(self, msg: EngineEvent) -> None:
