@@ -19,10 +19,6 @@
 #include <immintrin.h>
 #endif
 
-bool prefetch = true;  // software prefetch in the row products and attention (set_prefetch: off, to compare)
-
-void set_prefetch(bool on) { prefetch = on; }
-
 #include "cpu_pool.h"  // parallel(): the decode loops' thread pool
 
 namespace {
@@ -113,7 +109,7 @@ void attend_range_avx2(const float* q, const float* k, const float* v, int64_t k
     const int64_t j2 = std::min(j + 1, len - 1);
     const float* kj = k + (lo + j) * k_stride;
     const float* kj2 = k + (lo + j2) * k_stride;
-    if (prefetch && j + AHEAD_UNITS + 2 <= len)  // the keys AHEAD_UNITS units ahead, their lines
+    if (j + AHEAD_UNITS + 2 <= len)  // the keys AHEAD_UNITS units ahead, their lines
       for (int64_t u = AHEAD_UNITS; u < AHEAD_UNITS + 2; ++u)
         for (int64_t e = 0; e < D; e += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + u * k_stride + e), _MM_HINT_T0);
     __m256 acc[G], acc2[G];
@@ -154,7 +150,7 @@ void attend_range_avx2(const float* q, const float* k, const float* v, int64_t k
       for (int w = 0; w < W; ++w) o[g][w] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; ++j) {
       const float* vj = v + (lo + j) * v_stride + h0;
-      if (prefetch && j + AHEAD_UNITS < len)
+      if (j + AHEAD_UNITS < len)
         for (int w = 0; w < W; w += 2) _mm_prefetch(reinterpret_cast<const char*>(vj + AHEAD_UNITS * v_stride + 8 * w), _MM_HINT_T0);
       __m256 vv[W];
       for (int w = 0; w < W; ++w) vv[w] = _mm256_loadu_ps(vj + 8 * w);
@@ -464,7 +460,7 @@ void int4_rows_q8_avx2(const int16_t* XP, const float* XS, const float* XSUM, co
       const uint8_t* blk = parts[i].P + b * K * H;
       __m256 res[4];
       for (int a = 0; a < 4; ++a) res[a] = _mm256_setzero_ps();
-      const bool fetch = prefetch && (b + 1) * B < rows;  // the next block's codes and scales, a group's lines at a time
+      const bool fetch = (b + 1) * B < rows;  // the next block's codes and scales, a group's lines at a time
       for (int64_t g = 0; g < groups; ++g) {
         if (fetch) {
           const char* next = reinterpret_cast<const char*>(blk + K * H + g * 32 * H);
@@ -528,7 +524,7 @@ void int8_rows_q8_avx2(const int8_t* XQ, const float* XS, const int8_t* W, const
       __m256 acc[4];
       for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
       const int8_t* ahead = W + (r + 4 * AHEAD) * K;  // 4 rows are 4 K bytes: two lines a group ahead
-      const bool fetch = prefetch && r + 4 * AHEAD < rows;
+      const bool fetch = r + 4 * AHEAD < rows;
       for (int64_t g = 0; g < groups; ++g) {
         if (fetch) {
           _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 128), _MM_HINT_T0);
@@ -556,14 +552,6 @@ void int8_rows_q8_avx2(const int8_t* XQ, const float* XS, const int8_t* W, const
 // scales [N], or int4 in torch's packed layout (`block` rows per block, groups of `group` inputs, rows padded
 // to whole blocks). int4 through int4_row on AVX-512 and int4_rows_avx2 on CPUs without it (30-40 % faster than
 // torch's kernel, bench/experiments/packed_row.py); int8 through torch's kernel. Returns float32 [1, out].
-bool row_int8 = true;  // AVX2: products on the row quantized to int8 (set_row_int8: the float way, to compare)
-
-void set_row_int8(bool on) { row_int8 = on; }
-
-bool together = true;  // layer_step: q/k/v and gate/up in one parallel region each (set_together: apart, to compare)
-
-void set_together(bool on) { together = on; }
-
 at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, int64_t bits,
                       int64_t out, int64_t group, int64_t block) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.numel() == x_in.size(-1), "packed_row: one float32 row");
@@ -573,7 +561,7 @@ at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Ten
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   const int64_t K = x.size(1);
-  if (row_int8 && bits == 4 && group == 32 && block == 32 && K % 32 == 0 && w.size(1) * 2 == K && w.size(0) % block == 0
+  if (bits == 4 && group == 32 && block == 32 && K % 32 == 0 && w.size(1) * 2 == K && w.size(0) % block == 0
       && w.is_contiguous() && scales.is_contiguous()) {
     const int64_t rows = w.size(0);
     std::vector<int16_t> xp(K / 2);
@@ -584,7 +572,7 @@ at::Tensor packed_row(const at::Tensor& x_in, const at::Tensor& w, const at::Ten
                       reinterpret_cast<const uint32_t*>(scales.data_ptr<at::BFloat16>()), rows, y.data_ptr<float>()}}, K);
     return out < rows ? y.narrow(-1, 0, out) : y;
   }
-  if (row_int8 && bits == 8 && K % 32 == 0 && w.size(0) % 4 == 0 && w.size(1) == K && w.is_contiguous() && scales.is_contiguous()) {
+  if (bits == 8 && K % 32 == 0 && w.size(0) % 4 == 0 && w.size(1) == K && w.is_contiguous() && scales.is_contiguous()) {
     const int64_t rows = w.size(0);
     std::vector<int16_t> xp(K / 2);
     std::vector<float> xs(K / 32), xsum(K / 32);
@@ -671,7 +659,7 @@ std::vector<at::Tensor> rows_together(const at::Tensor& x, const std::vector<tor
                                       const std::vector<int64_t>& meta, std::initializer_list<int> idx) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   const int64_t K = x.size(-1);
-  if (!together || !row_int8 || K % 32 != 0 || !x.is_contiguous()) return {};
+  if (K % 32 != 0 || !x.is_contiguous()) return {};
   for (int i : idx) {
     const auto& w = weights[3 * i];
     if (meta[4 * i] != 4 || meta[4 * i + 2] != 32 || meta[4 * i + 3] != 32 || w.size(1) * 2 != K ||
@@ -744,10 +732,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_row", &int4_row, "one row times torch's packed int4 weight (AVX-512)");
 #endif
   m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
-  m.def("set_row_int8", &set_row_int8, "AVX2: quantize the row to int8 for packed_row (default) or not");
-  m.def("set_prefetch", &set_prefetch, "software prefetch in the row products and attention (default) or not");
   m.def("set_pool", &set_pool, "the decode loops on cpu_pool.h's pool, spinning up to this many us before sleeping (0: OpenMP)");
-  m.def("set_together", &set_together, "layer_step: q/k/v and gate/up in one parallel region each (default) or not");
   m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32");

@@ -57,7 +57,9 @@ BUILD_TIMEOUT = 900  # seconds: the first build takes about 30 s on 2 cores
 @functools.cache
 def kernels():
     """The built module (`decode_attention`, `rms_norm`, `attend_token`, `layer_step`, `packed_row`, and
-    `int4_row` on AVX-512 CPUs), or None where it cannot be built here. A missing build is made by a child
+    `int4_row` on AVX-512 CPUs), or None where it cannot be built here. Its one setting, `set_pool(us)`: the decode
+    loops run on cpu_pool.h's threads, which spin up to `us` microseconds before sleeping (200 on Linux, the
+    default), or with 0 on at::parallel_for (the pool's tests compare the two). A missing build is made by a child
     process (the compiler's and torch's builder's memory stay out of this one); the library is then imported
     directly."""
     if os.environ.get("LOCALCHAT_CPU_KERNELS", "1") == "0":

@@ -8,6 +8,7 @@ Inputs (H = KV heads, Hq = query heads, C = the cache's capacity in units, T = t
   tail_k, tail_v  `[1, H, T, d]` full precision (the quantized cache's tail; None for the plain cache)
   lens    int32 `[2]` on the device: units held in `main` and in the tail (slots past them are never read)
   inv_freq  `[d/2]` or None: quantized key i is stored un-rotated and sits at RoPE position i (compact positions)
+  split   the Triton kernel's settings (kernels/qattn.py `Split`; default the engine's); the twin ignores them
 Output `[1, 1, Hq, d]` in the query's dtype.
 
 Triton: kernels/_qattn_triton.py's split kernel with `LENS` (its grid planned for C, a split past the units held
@@ -23,9 +24,9 @@ from localchat.kernels import use_triton
 from localchat.kernels.qattn import dequantized_keys_values, split_attention
 
 
-def attention(query, main, tail_k, tail_v, lens, bits: int, group: int, scaling: float, inv_freq=None):
+def attention(query, main, tail_k, tail_v, lens, bits: int, group: int, scaling: float, inv_freq=None, split=None):
     if use_triton(query):
-        return attention_triton(query, main, tail_k, tail_v, lens, bits, group, scaling, inv_freq)
+        return attention_triton(query, main, tail_k, tail_v, lens, bits, group, scaling, inv_freq, split)
     return attention_torch(query, main, tail_k, tail_v, lens, bits, group, scaling, inv_freq)
 
 
@@ -55,11 +56,12 @@ def attention_torch(query, main, tail_k, tail_v, lens, bits, group, scaling, inv
     return out.to(query.dtype)
 
 
-def attention_triton(query, main, tail_k, tail_v, lens, bits, group, scaling, inv_freq=None):
+def attention_triton(query, main, tail_k, tail_v, lens, bits, group, scaling, inv_freq=None, split=None):
     if bits:
         packed = [main[name] for name in ("qk", "ks", "kz", "qv", "vs", "vz")]
     else:
         packed = [main["k"], main["k"], main["k"], main["v"], main["v"], main["v"]]  # scales, zeros: not read
     if tail_k is None:  # the plain cache: the tail program finds 0 units (lens[1])
         tail_k, tail_v = main["k"], main["v"]
-    return split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_freq, packed[0].shape[2], lens)
+    return split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_freq, packed[0].shape[2], lens,
+                           split)

@@ -6,7 +6,7 @@ Inputs (the layout of engine/qcache.py; H = KV heads, Hq = query heads, d = head
   inv_freq `[d/2]` or None: when given, quantized key i is stored un-rotated and sits at RoPE position i (its slot).
 Output `[1, 1, Hq, d]` in the query's dtype (transformers' attention-function layout).
 
-Triton: a flash-decoding kernel (two launches per layer), in three ways (`WAY`, below): per query head as
+Triton: a flash-decoding kernel (two launches per layer), in three ways (`Split.way`, below): per query head as
 described here, per KV head for all its query heads, or the same with the products on tensor cores. Program
 (query head, split) walks its split of the nq units in blocks: unpack codes, scale + zero per group, score
 against the query rotated by the unit's slot (q·R(i)k = (R(-i)q)·k, cos/sin computed in the kernel), online
@@ -17,6 +17,8 @@ The twin dequantizes the whole quantized part and runs plain softmax attention i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from localchat.kernels import use_triton
@@ -24,9 +26,11 @@ from localchat.kernels.quant import dequantize
 from localchat.kernels.rope import rope_table, rotate
 
 
-def decode_attention(query, quant, tail_k, tail_v, bits: int, group: int, scaling: float, inv_freq=None):
+def decode_attention(query, quant, tail_k, tail_v, bits: int, group: int, scaling: float, inv_freq=None,
+                     split: "Split | None" = None):
+    """`split`: the Triton kernel's settings (default `Split()`); the twin ignores them."""
     if use_triton(query):
-        return decode_attention_triton(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq)
+        return decode_attention_triton(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq, split)
     return decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq)
 
 
@@ -77,17 +81,39 @@ def decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, i
 # --- Triton ------------------------------------------------------------------------------------------------
 
 _KERNELS = None
-TARGET_PROGRAMS = 264  # about two per SM of an H100: enough splits to fill the GPU at short lengths
 MAX_SPLITS = 127
-# The split kernel: "group" one program per KV head and split for its query heads (qattn_group_kernel), "dot" the
-# same with its products on tensor cores (qattn_dot_kernel), "head" one program per query head (qattn_split_kernel)
-WAY = "group"
+# The split kernel's ways: "group" one program per KV head and split for its query heads (qattn_group_kernel), "dot"
+# the same with its products on tensor cores (qattn_dot_kernel), "head" one program per query head
+# (qattn_split_kernel)
 WAYS = {"group": "qattn_group_kernel", "dot": "qattn_dot_kernel", "head": "qattn_split_kernel"}
-DOT_BLOCK = 64  # units a block in qattn_dot_kernel
-# Warps a split kernel's program. At 4 (Triton's default) the int8 cache's kernels hold 168-252 registers a thread
-# for the 8B's heads, by way and block (tools/gpu/compile_check.py); 8 spreads the same tiles thinner (the dot way's
-# 32-unit block: 237 -> 128)
-WARPS = 4
+
+
+@dataclass(frozen=True)
+class Split:
+    """How the split kernel runs. The defaults are the engine's; bench/experiments/gpu_attn.py times the others.
+
+    way       "group" (plain fp32 sums), "dot" (tensor cores: fp16 operands, fp32 sums) or "head" (`WAYS`)
+    block     units a block in the dot way (64)
+    programs  the split planner's target (264: about two per SM of an H100, enough splits to fill the GPU at
+              short lengths)
+    warps     warps a program (4, Triton's default: the int8 cache's kernels then hold 168-252 registers a thread
+              for the 8B's heads, by way and block, tools/gpu/compile_check.py; 8 spreads the same tiles thinner)
+    kernels   a module with the Triton kernels (None: kernels/_qattn_triton.py; another version of that file for
+              an A/B in one process)
+    """
+
+    way: str = "group"
+    block: int = 64
+    programs: int = 264
+    warps: int = 4
+    kernels: object = None
+
+    def __post_init__(self) -> None:
+        if self.way not in WAYS:
+            raise ValueError(f"split kernel way {self.way!r}: use one of {', '.join(WAYS)}")
+
+
+DEFAULT = Split()
 
 
 def _kernels():
@@ -100,31 +126,35 @@ def _kernels():
     return _KERNELS
 
 
-def plan_splits(nq: int, heads: int, block: int) -> tuple[int, int]:
-    """(splits, units per split): enough programs over `heads` (the grid's first axis) to fill the GPU, each split
-    a whole number of blocks."""
+def plan_splits(nq: int, heads: int, block: int, programs: int = DEFAULT.programs) -> tuple[int, int]:
+    """(splits, units per split): about `programs` programs over `heads` (the grid's first axis) to fill the GPU,
+    each split a whole number of blocks."""
     blocks = -(-nq // block)
-    splits = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // heads), blocks))
+    splits = max(1, min(MAX_SPLITS, -(-programs // heads), blocks))
     per_split = -(-blocks // splits) * block
     return -(-nq // per_split) if nq else 0, per_split
 
 
-def decode_attention_triton(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq=None):
+def decode_attention_triton(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq=None, split=None):
     kc = quant["qk"]
     nq, nt = kc.shape[2], tail_k.shape[2]
     if nq + nt == 0:
         raise ValueError("decode attention over an empty cache")
     return split_attention(query, [quant[name] for name in ("qk", "ks", "kz", "qv", "vs", "vz")], tail_k, tail_v,
-                           bits, group, scaling, inv_freq, nq, (nq, nt))
+                           bits, group, scaling, inv_freq, nq, (nq, nt), split)
 
 
-def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_freq, units, lengths):
+def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_freq, units, lengths,
+                    split: Split | None = None):
     """The split kernel and its merge. `packed`: keys' codes, scales, zeros and values' (or plain keys and values
     with `bits` 0: the same tensor in the scale and zero places, not read); the grid is planned for `units`;
-    `lengths`: (quantized units, tail units) as numbers, or an int tensor `[2]` on the device (a captured step)."""
+    `lengths`: (quantized units, tail units) as numbers, or an int tensor `[2]` on the device (a captured step);
+    `split`: the kernel's way, block, split target and warps (default `Split()`)."""
     import triton
 
-    k = _kernels()
+    split = split or DEFAULT
+    way = split.way
+    k = split.kernels or _kernels()
     kc, ks, kz, vc, vs, vz = packed
     h_q, d, h = query.shape[1], query.shape[-1], kc.shape[1]
     for t in (kc, vc, ks, kz, vs, vz, tail_k, tail_v, query):
@@ -132,13 +162,13 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
             raise ValueError("decode attention needs tensors contiguous along their last axis")
     d_pad = triton.next_power_of_2(d)
     qp = triton.next_power_of_2(h_q // h)
-    if WAY == "group":  # a [query heads, BLOCK, d] product per block: about 8K values
+    if way == "group":  # a [query heads, BLOCK, d] product per block: about 8K values
         block, sizes = max(16, min(64, 8192 // (qp * d_pad))), {"D": d, "D_PAD": d_pad, "QP": qp}
-    elif WAY == "dot":  # tl.dot wants 16 rows at least, and the head's halves a power of two each
-        block, sizes = DOT_BLOCK, {"D": d, "QM": max(16, qp), "HALF_PAD": max(16, triton.next_power_of_2(d // 2))}
+    elif way == "dot":  # tl.dot wants 16 rows at least, and the head's halves a power of two each
+        block, sizes = split.block, {"D": d, "QM": max(16, qp), "HALF_PAD": max(16, triton.next_power_of_2(d // 2))}
     else:
         block, sizes = 64 if d_pad <= 64 else 32, {"D": d, "D_PAD": d_pad}
-    splits, per_split = plan_splits(units, h_q if WAY == "head" else h, block)
+    splits, per_split = plan_splits(units, h_q if way == "head" else h, block, split.programs)
     programs = splits + 1  # the last one per head reads the tail
     parts = torch.empty((h_q, programs, d), device=query.device, dtype=torch.float32)
     lse = torch.empty((h_q, programs), device=query.device, dtype=torch.float32)
@@ -146,7 +176,7 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
     inv = inv_freq.to(query.device, torch.float32) if rotate else lse  # unused when not rotating
     in_memory = isinstance(lengths, torch.Tensor)
     n, nt = (0, 0) if in_memory else lengths
-    kernel, grid = getattr(k, WAYS[WAY]), (h_q if WAY == "head" else h, programs)
+    kernel, grid = getattr(k, WAYS[way]), (h_q if way == "head" else h, programs)
     kernel[grid](
         query, kc, ks, kz, vc, vs, vz, tail_k, tail_v, inv, parts, lse, lengths if in_memory else lse,
         n, nt, per_split, float(scaling), query.stride(1),
@@ -154,7 +184,7 @@ def split_attention(query, packed, tail_k, tail_v, bits, group, scaling, inv_fre
         kz.stride(2), vs.stride(1), vs.stride(2), vz.stride(1), vz.stride(2),
         tail_k.stride(1), tail_k.stride(2), tail_v.stride(1), tail_v.stride(2),
         Q_PER_KV=h_q // h, BITS=bits, G=group, ROTATE=rotate, BLOCK=block, LENS=in_memory, **sizes,
-        num_warps=WARPS,
+        num_warps=split.warps,
     )
     out = torch.empty((1, 1, h_q, d), device=query.device, dtype=query.dtype)
     k.merge_kernel[(h_q,)](parts, lse, out, programs, D=d, D_PAD=d_pad, P_PAD=triton.next_power_of_2(programs),

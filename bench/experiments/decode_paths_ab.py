@@ -17,27 +17,16 @@ import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (loc
 import torch
 
 from localchat.bench.cell import Cell, use_policy
-from localchat.engine import decode_step
-from localchat.engine.decode_step import DecodeStep
+from localchat.engine.decode_step import WAYS, DecodeStep
 from localchat.engine.engine import Engine
 from localchat.engine.prefill import prefill
-from localchat.kernels import cpu_decode
 
 
 def three_ways(model, cache, policy) -> dict[str, DecodeStep]:
-    """The step as built, without per-layer C++ plans, and without any C++ kernel."""
-    steps = {"layers": DecodeStep(model, cache, on_qkv=policy.qkv_sink())}
-    plan, decode_step._layer_plan = decode_step._layer_plan, lambda *a: None
-    try:
-        steps["ops"] = DecodeStep(model, cache, on_qkv=policy.qkv_sink())
-    finally:
-        decode_step._layer_plan = plan
-    native, cpu_decode.kernels = cpu_decode.kernels, lambda: None
-    try:
-        steps["torch"] = DecodeStep(model, cache, on_qkv=policy.qkv_sink())
-    finally:
-        cpu_decode.kernels = native
-    assert steps["layers"].plans is not None and steps["ops"].kernels is not None and steps["torch"].kernels is None
+    """The step as built (a C++ call per layer), without per-layer C++ calls, and without any C++ kernel."""
+    steps = {way: DecodeStep(model, cache, on_qkv=policy.qkv_sink(), way=way) for way in WAYS}
+    if [step.took for step in steps.values()] != list(WAYS):
+        raise SystemExit(f"the steps took {[step.took for step in steps.values()]}: are the C++ kernels built?")
     return steps
 
 

@@ -4,7 +4,7 @@ LOCRET b=BUDGET (cap CAP) reads the document as the bench lane does, and the cac
 saved under $SNAPS (`saved_cache.py`; `question_read.py` shares the files). For every window x spread x K
 (--focus-window, --focus-spread, --focus) the engine's own focus code (engine/focus.py: Probe, view) runs on a
 copy: the tail is read with the probe installed, the view is built, the tail is read again over it and the
-answer is decoded greedily on it, as Engine._generate does. One JSON line per setting, with the share of the
+answer is decoded greedily on it, as the engine does when it answers. One JSON line per setting, with the share of the
 answer's prompt tokens held in the cache and in the view (over layers and KV heads). $THREADS torch threads
 (default 1).
 

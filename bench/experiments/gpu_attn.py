@@ -1,7 +1,7 @@
 """Decode attention alone at a model's shape: the split kernel over a cache of `--units` units, per call and per
 token (times the layers; on CUDA the GPU's time from a replayed CUDA graph, as inside the captured step), for the
 int8/int4 cache with and without the in-kernel RoPE, and the plain bf16 cache (`--caches`), in each of the
-kernel's ways (`--ways`: kernels/qattn.py's WAY) and split targets (`--programs`).
+kernel's ways (`--ways`) and split targets (`--programs`): the fields of kernels/qattn.py's `Split`, passed per row.
 
     python bench/experiments/gpu_attn.py [--units 16527] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
         [--layers 32] [--kernels FILE ...] [--programs 264,1056] [--ways group,dot,head]
@@ -92,8 +92,8 @@ def best_flags(path: str, bits: int) -> str:
     if not rows:
         return ""
     r = min(rows, key=lambda r: r["ms_per_token"])
-    return (f"--attn-way {r['way']} --attn-block {r['block'] or qattn.DOT_BLOCK} --attn-programs {r['programs']} "
-            f"--attn-warps {r.get('warps', qattn.WARPS)}")
+    return (f"--attn-way {r['way']} --attn-block {r['block'] or qattn.DEFAULT.block} --attn-programs {r['programs']} "
+            f"--attn-warps {r.get('warps', qattn.DEFAULT.warps)}")
 
 
 def main(argv=None) -> None:
@@ -106,13 +106,13 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--kernels", nargs="*", default=[])
-    p.add_argument("--programs", default=str(qattn.TARGET_PROGRAMS),
-                   help="comma-separated values of qattn.TARGET_PROGRAMS to time (the split planner's target)")
+    p.add_argument("--programs", default=str(qattn.DEFAULT.programs),
+                   help="comma-separated split targets to time (qattn.Split.programs)")
     p.add_argument("--ways", default=",".join(qattn.WAYS),
-                   help="qattn.WAY values to time: group (one program per KV head and split), dot (the same on tensor "
-                        "cores), head (one program per query head)")
-    p.add_argument("--dot-blocks", default=str(qattn.DOT_BLOCK), help="qattn.DOT_BLOCK values to time (the dot way)")
-    p.add_argument("--warps", default=str(qattn.WARPS), help="qattn.WARPS values to time (warps a program)")
+                   help="ways to time (qattn.Split.way): group (one program per KV head and split), dot (the same on "
+                        "tensor cores), head (one program per query head)")
+    p.add_argument("--dot-blocks", default=str(qattn.DEFAULT.block), help="blocks to time, the dot way's (Split.block)")
+    p.add_argument("--warps", default=str(qattn.DEFAULT.warps), help="warps a program to time (Split.warps)")
     p.add_argument("--caches", default="8r,8,4r,0",
                    help="caches to time: bits (8, 4, 0 = bf16), r = keys rotated in the kernel (the engine's way)")
     p.add_argument("--out")
@@ -128,15 +128,15 @@ def main(argv=None) -> None:
     tk, tv = (torch.randn(1, h, args.tail, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     lens = torch.tensor([n, args.tail], dtype=torch.long, device=dev)
     inv = inv_freq(d).to(dev)
-    versions = {"tree": qattn._kernels()}
+    versions = {"tree": None}  # None: the tree's kernels
     for path in args.kernels:
         spec = importlib.util.spec_from_file_location(f"kernels_{len(versions)}", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         versions[path] = mod
-    rows, defaults = [], (qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK, qattn.WARPS)
+    rows = []
     configs = [(way, int(b), int(p), int(w)) for way in args.ways.split(",")
-               for b in (args.dot_blocks.split(",") if way == "dot" else [qattn.DOT_BLOCK])
+               for b in (args.dot_blocks.split(",") if way == "dot" else [qattn.DEFAULT.block])
                for p in args.programs.split(",") for w in args.warps.split(",")]
     for bits, rotate in [(int(c.rstrip("r")), c.endswith("r")) for c in args.caches.split(",")]:
         main_ = cache(h, n, d, bits, dev)
@@ -145,12 +145,11 @@ def main(argv=None) -> None:
         first = None
         for name, mod in versions.items():
             for way, block, programs, warps in configs:
-                if not hasattr(mod, qattn.WAYS[way]):
+                if mod is not None and not hasattr(mod, qattn.WAYS[way]):
                     continue  # an older kernels file without this way
-                qattn._KERNELS, qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = mod, way, block, programs
-                qattn.WARPS = warps
+                split = qattn.Split(way=way, block=block, programs=programs, warps=warps, kernels=mod)
                 call = lambda: graph_attn.attention_triton(q, main_, *tails, lens, bits, group_size(d), d**-0.5,  # noqa: E731
-                                                           inv if rotate else None)
+                                                           inv if rotate else None, split)
                 row = {"kernels": name, "way": way, "block": block if way == "dot" else None,
                        "programs": programs, "warps": warps, "bits": bits, "rotate": rotate}
                 try:
@@ -167,8 +166,6 @@ def main(argv=None) -> None:
                              "cache_gb_per_s": round(size / (gpu or wall) / 1e6, 1),
                              "max_diff_from_first": float((out - first).abs().max())})
                 print(json.dumps(rows[-1]), flush=True)
-    qattn.TARGET_PROGRAMS, qattn.WAY, qattn.DOT_BLOCK, qattn.WARPS = defaults
-    qattn._KERNELS = versions["tree"]
     result = {"rows": rows, "setup": vars(args), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
               "torch": torch.__version__}
     if args.out:

@@ -4,9 +4,11 @@ For each `--weights`: one engine (LOCRET at `--budget`, `--kv` cache, retaining 
 speed does not depend on their weights) reads `--length` random tokens once; then, each on a copy of that cache,
 `--tokens` greedy tokens are decoded in each of these ways (`--ways`):
   graph        a decoded token is one CUDA graph replay (engine/graph_step.py; the default on CUDA)
-  graph-gemv   the same with each norm and the SiLU product inside the product that reads it (GraphStep.GEMV:
-               Triton GEMVs for float weights in place of cuBLAS's; with nf4 or int8 weights the same as graph)
-  graph-unfused  the same without kernels/fused.py's kernels (the norms, RoPE and SiLU product op by op)
+  graph-gemv   the same with each norm and the SiLU product inside the product that reads it (GraphStep's
+               `gemv=True`: Triton GEMVs for float weights in place of cuBLAS's; with nf4 or int8 weights the same
+               as graph)
+  graph-unfused  the same without kernels/fused.py's kernels (`fused=False`: the norms, RoPE and SiLU product op
+               by op)
   eager step   the same model without transformers' per-call machinery, op by op (engine/decode_step.py)
   forward      transformers' forward at every step
 Per row: decode tokens/s over the answer, and steady (from the second token on: a graph way's first step on a copy
@@ -17,7 +19,8 @@ run) the graph way is not taken and its row says so.
 
     python bench/experiments/gpu_decode.py --model DIR --weights nf4,bf16,int8 --out OUT
         [--attn-way dot --attn-block 64 --attn-programs 1056 --attn-warps 8]   # the split kernel's settings
-                                                                            # (kernels/qattn.py)
+                                                 # in the graph ways (kernels/qattn.py `Split`; the eager ways
+                                                 # read the quantized cache with the engine's default)
 Writes OUT/gpu_decode.json and OUT/gpu_decode.md.
 """
 
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from localchat.bench.perf import _sync
+from localchat.bench.perf import sync
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done, Error, Notice, Token
 from localchat.engine.graph_step import GraphStep
@@ -59,12 +62,20 @@ def _done(events, notes: list | None = None, on_token=None) -> Done:
     raise RuntimeError("no Done event")
 
 
-def _way(engine: Engine, way: str) -> None:
+def _way(engine: Engine, way: str, split: qattn.Split):
+    """Set the engine's decode switches for `way`; for a graph way, (cache -> its GraphStep), else None."""
     engine.graph_decode = way.startswith("graph")
     engine.lean_decode = way != "forward"
-    GraphStep.FUSED = way != "graph-unfused"
-    GraphStep.GEMV = way == "graph-gemv"
-    engine._graph = None  # a new step for the new way
+    if not way.startswith("graph"):
+        return None
+    return lambda cache: GraphStep(engine.model, cache, engine.policy.unit_heads(), fused=way != "graph-unfused",
+                                   gemv=way == "graph-gemv", split=split)
+
+
+def _hand_over(engine: Engine, step: GraphStep) -> None:
+    """The engine builds its GraphStep with the defaults and reuses its last one while it is bound to the same
+    cache and heads: hand it `step` as that one. (No public call of the engine takes a step's settings yet.)"""
+    engine._graph = step
 
 
 def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
@@ -73,9 +84,13 @@ def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
     return torch.randint(vocab // 8, vocab // 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None, on_token=None) -> tuple[Done, object]:
-    """`tokens` greedy tokens after a 16-token follow-up on a copy of `cache`; (Done, the copy)."""
+def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None, on_token=None,
+            make_step=None) -> tuple[Done, object]:
+    """`tokens` greedy tokens after a 16-token follow-up on a copy of `cache` (through `make_step(copy)` where
+    given); (Done, the copy)."""
     copy = cache.clone()
+    if make_step is not None:
+        _hand_over(engine, make_step(copy))
     follow = _tokens(engine, 16, seed)
     settings = GenerationSettings(max_new_tokens=tokens, ignore_eos=True)
     return _done(engine.continue_on(copy, follow, at, settings), notes, on_token), copy
@@ -89,7 +104,8 @@ def steady_rate(times: list[float]) -> float | None:
     return (len(times) - 2) / (times[-1] - times[1])
 
 
-def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | None, str | None, float | None]:
+def _kernel_ms(engine: Engine, cache, at: int, tokens: int, make_step=None) -> tuple[float | None, str | None,
+                                                                                      float | None]:
     """(GPU kernel time per decoded token over `tokens` steps, from the profiler; the TOP kernels by that time;
     kernels launched per token), all None off CUDA. The profiler starts at the second token: the first step on a
     copy of the cache (a graph way's capture, its eager body included) is not counted."""
@@ -103,11 +119,11 @@ def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | Non
     def start_at_second() -> None:
         seen.append(1)
         if len(seen) == 2:
-            _sync(engine.device)
+            sync(engine.device)
             prof.start()
 
-    _decode(engine, cache, at, tokens + 2, seed=1, on_token=start_at_second)
-    _sync(engine.device)
+    _decode(engine, cache, at, tokens + 2, seed=1, on_token=start_at_second, make_step=make_step)
+    sync(engine.device)
     prof.stop()
     events = prof.key_averages()
     steps = max(len(seen) - 2, 1)  # the steps after the second token
@@ -117,30 +133,20 @@ def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | Non
     return sum(e.self_device_time_total for e in events) / 1000 / steps, named, kernels
 
 
-def _replay_ms(engine: Engine, repeats: int = 50) -> float | None:
-    """Milliseconds per replay of the last captured step, back to back (the GPU's own time per token)."""
-    step = engine._graph
-    if engine.device.type != "cuda" or not isinstance(step, GraphStep) or step.graph is None:
+def _replay_ms(engine: Engine, step: GraphStep, repeats: int = 50) -> float | None:
+    """Milliseconds per replay of `step`'s captured graph, back to back (the GPU's own time per token)."""
+    if engine.device.type != "cuda" or step.graph is None:
         return None
-    _sync(engine.device)
+    sync(engine.device)
     t0 = time.perf_counter()
     for _ in range(repeats):
         step.graph.replay()
-    _sync(engine.device)
+    sync(engine.device)
     return 1000 * (time.perf_counter() - t0) / repeats
 
 
 def measure(args) -> dict:
-    defaults = qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS, qattn.WARPS, GraphStep.FUSED, GraphStep.GEMV
-    qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS = args.attn_way, args.attn_block, args.attn_programs
-    qattn.WARPS = args.attn_warps
-    try:
-        return _measure(args)
-    finally:
-        qattn.WAY, qattn.DOT_BLOCK, qattn.TARGET_PROGRAMS, qattn.WARPS, GraphStep.FUSED, GraphStep.GEMV = defaults
-
-
-def _measure(args) -> dict:
+    split = qattn.Split(way=args.attn_way, block=args.attn_block, programs=args.attn_programs, warps=args.attn_warps)
     rows = []
     for weights in args.weights.split(","):
         engine = Engine.load(None if args.model == "default" else args.model, weights=None if weights in ("", "as-stored") else weights, kv=args.kv)
@@ -150,24 +156,26 @@ def _measure(args) -> dict:
             engine.chunk = args.chunk
         ids = _tokens(engine, args.length, 0)
         cache = engine.new_cache(args.length, args.tokens)
-        _sync(engine.device)
+        sync(engine.device)
         read = _done(engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=1, ignore_eos=True),
                                         keep_last=True))
         peak = torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else None
         at = args.length + 1
         for way in args.ways.split(","):
-            _way(engine, way)
+            make_step = _way(engine, way, split)
             notes = []  # the engine's one line when it decodes eagerly
-            _decode(engine, cache, at, 4, seed=2, notes=notes)  # warm-up (a capture, Triton compiles)
-            times = []
+            _decode(engine, cache, at, 4, seed=2, notes=notes, make_step=make_step)  # warm-up (a capture, Triton)
+            times, steps = [], []
+            record = None if make_step is None else lambda c: steps.append(make_step(c)) or steps[-1]
             done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes,
-                              on_token=lambda: times.append(time.perf_counter()))
+                              on_token=lambda: times.append(time.perf_counter()), make_step=record)
             steady = steady_rate(times)
-            took = isinstance(engine._graph, GraphStep) and engine.graph_decode and engine.device.type == "cuda"
+            step = steps[-1] if steps else None
+            took = step is not None and step.graph is not None and engine.graph_decode
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
             rate = steady or 1e3 / ms_token  # tokens/s for the busy shares: the capture left out where it can be
-            replay = _replay_ms(engine) if way.startswith("graph") else None
-            kernel, top, launches = _kernel_ms(engine, cache, at, args.profile_tokens)
+            replay = _replay_ms(engine, step) if took else None
+            kernel, top, launches = _kernel_ms(engine, cache, at, args.profile_tokens, make_step)
             rows.append({
                 "weights": weights, "way": way if not way.startswith("graph") or took else f"{way} (not taken: {'; '.join(notes) or 'not CUDA'})",
                 "decode_tok_s": round(done.decode_tps, 1), "ms_per_token": round(ms_token, 3),
@@ -182,7 +190,6 @@ def _measure(args) -> dict:
                 "top_kernels": top,
             })
             print(json.dumps(rows[-1]), flush=True)
-        _way(engine, "graph")
         del engine, cache
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -210,8 +217,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Decode by way and weights: {Path(s['model']).name} on {result['device']} (random weights, speed only)",
              "", f"Command: `{s['command']}` (commit {result['commit']})", "",
              f"LOCRET b={s['budget']}, --kv {s['kv']}, random heads d_R={s['d_r']}, {s['length']:,} random tokens "
-             f"read once, then {s['tokens']} greedy tokens on a copy of the cache per way. Decode attention: the "
-             f"{s['attn_way']} split kernel, {s['attn_programs']} programs targeted, "
+             f"read once, then {s['tokens']} greedy tokens on a copy of the cache per way. Decode attention in "
+             f"the graph ways: the {s['attn_way']} split kernel, {s['attn_programs']} programs targeted, "
              f"{s.get('attn_warps', 4)} warps each"
              + (f", blocks of {s['attn_block']} units." if s["attn_way"] == "dot" else "."), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -233,10 +240,11 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--profile-tokens", type=int, default=16)
     p.add_argument("--d-r", type=int, default=1024)
-    p.add_argument("--attn-way", default=qattn.WAY, choices=list(qattn.WAYS), help="the split kernel (qattn.WAY)")
-    p.add_argument("--attn-block", type=int, default=qattn.DOT_BLOCK, help="units a block, the dot way's")
-    p.add_argument("--attn-programs", type=int, default=qattn.TARGET_PROGRAMS, help="the split planner's target")
-    p.add_argument("--attn-warps", type=int, default=qattn.WARPS, help="warps a split kernel's program")
+    p.add_argument("--attn-way", default=qattn.DEFAULT.way, choices=list(qattn.WAYS),
+                   help="the split kernel's way in the graph ways (qattn.Split.way)")
+    p.add_argument("--attn-block", type=int, default=qattn.DEFAULT.block, help="units a block, the dot way's")
+    p.add_argument("--attn-programs", type=int, default=qattn.DEFAULT.programs, help="the split planner's target")
+    p.add_argument("--attn-warps", type=int, default=qattn.DEFAULT.warps, help="warps a split kernel's program")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.command = "python bench/experiments/gpu_decode.py " + " ".join(argv or __import__("sys").argv[1:])

@@ -1,9 +1,9 @@
 """Where the time of a LOCRET prefill goes: one un-profiled read for the wall time, then the same read under
 torch.profiler, its device time put in buckets (the GPU's prefill figures; on a CPU the same for a dry run).
 
-Buckets, first match wins, on the names of the profiled ops and of two ranges this script marks:
-  retaining heads    the heads' scoring of each chunk (`HeadScorer._run`, marked)
-  eviction           selecting and gathering the kept units after a chunk (`prefill.evict`, marked)
+Buckets, first match wins, on the names of the profiled ops and of two ranges the engine names:
+  retaining heads    the heads' scoring of each chunk (the engine's range `heads.HEADS_RANGE`)
+  eviction           selecting and gathering the kept units after a chunk (the engine's range `prefill.EVICT_RANGE`)
   nf4 dequantize     bitsandbytes' dequantization of 4-bit weights for a chunk's matmul
   matmul             aten::mm / addmm / bmm / linear / matmul, bitsandbytes' int8 products
   attention          scaled_dot_product / flash / efficient / cudnn attention
@@ -27,6 +27,9 @@ from pathlib import Path
 
 import torch
 
+from localchat.engine.heads import HEADS_RANGE
+from localchat.engine.prefill import EVICT_RANGE
+
 BUCKETS = [
     ("nf4 dequantize", r"dequantize_4bit|dequantize_blockwise|kDequantize"),
     ("matmul", r"aten::(addmm|mm|bmm|linear|matmul)$|int8_linear|int8_mm|igemmlt|gemv_4bit"),
@@ -34,18 +37,7 @@ BUCKETS = [
     ("copy/gather", r"aten::(copy_|gather|index|index_select|index_copy_|cat|scatter)"),
     ("elementwise", r"aten::"),
 ]
-MARKS = {"retaining heads": "localchat.heads", "eviction": "localchat.evict"}
-
-
-def _mark(obj, name: str, label: str):
-    """Wrap `obj.name` in a profiler range named `label`."""
-    real = getattr(obj, name)
-
-    def marked(*args, **kwargs):
-        with torch.profiler.record_function(label):
-            return real(*args, **kwargs)
-
-    setattr(obj, name, marked)
+MARKS = {"retaining heads": HEADS_RANGE, "eviction": EVICT_RANGE}
 
 
 def _bucket(name: str) -> str:
@@ -115,7 +107,6 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
-    from localchat.engine import heads as heads_mod, prefill as prefill_mod
     from localchat.engine.engine import Engine
     from localchat.engine.heads import RetainingHeads
     from localchat.engine.policies import make_policy
@@ -134,8 +125,6 @@ def main(argv=None) -> None:
     ids = torch.randint(vocab // 8, vocab // 2, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
     read(engine, ids[:2048], 1)  # warm-up
     wall = read(engine, ids, 1)
-    _mark(heads_mod.HeadScorer, "_run", MARKS["retaining heads"])
-    _mark(prefill_mod, "evict", MARKS["eviction"])
     on_device = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     t0 = time.perf_counter()

@@ -2,10 +2,10 @@
 the replay. On a GPU the host's work and the replay run one after the other (the next token needs the last one's
 logits), so this time adds to the GPU's time per token.
 
-The step's body (the layers, the replay on CUDA) is replaced by fixed logits: what is left is the engine's loop
-(sampling, streaming, the policy's bookkeeping, eviction while decoding), the step's room for the new unit in
-every layer, and the inputs' write. The buffers' check that precedes every replay (`GraphStep._buffers`) is timed
-apart, since a step without capture (a CPU) skips it.
+The step's body (`GraphStep.body`: the layers, the replay on CUDA) is replaced by fixed logits in a subclass:
+what is left is the engine's loop (sampling, streaming, the policy's bookkeeping, eviction while decoding), the
+step's room for the new unit in every layer, and the inputs' write. The buffers' check that precedes every replay
+(`GraphStep.buffers`) is timed apart, since a step without capture (a CPU) skips it.
 
     python bench/experiments/host_step.py [--model default] [--kv none,int8] [--tokens 400] [--out DIR]
 Writes DIR/host_step.json and DIR/host_step.md; prints the table.
@@ -34,6 +34,24 @@ def _done(events) -> Done:
     return next(e for e in events if isinstance(e, Done))
 
 
+class HostSide(GraphStep):
+    """The captured step with fixed logits for its body: no model work, the host's side alone."""
+
+    def __init__(self, model, cache, heads, logits: torch.Tensor):
+        super().__init__(model, cache, heads)
+        self.logits, self.calls = logits, 0
+
+    def body(self) -> torch.Tensor:
+        self.calls += 1
+        return self.logits
+
+
+def _hand_over(engine: Engine, step: GraphStep) -> None:
+    """The engine builds its GraphStep itself and reuses its last one while it is bound to the same cache and
+    heads: hand it `step` as that one. (No public call of the engine takes a step yet.)"""
+    engine._graph = step
+
+
 def measure(model: str | None, kv: str, length: int, tokens: int, budget: int) -> dict:
     engine = Engine.load(model, weights="fp32" if model is None else None, kv=kv)
     engine.GRAPH_DEVICES = (engine.device.type,)  # the captured step's host side on this device
@@ -46,17 +64,14 @@ def measure(model: str | None, kv: str, length: int, tokens: int, budget: int) -
     _done(engine.continue_on(cache, ids, 0, settings, keep_last=True))
     logits = torch.zeros(engine.model.config.vocab_size, device=engine.device)
     logits[engine.model.config.vocab_size // 2] = 1.0
-    body = GraphStep._body
-    GraphStep._body = lambda self: logits  # no model work: the host's side alone
-    try:
-        at = length + 1
-        _done(engine.continue_on(cache, [5], at, GenerationSettings(max_new_tokens=20, ignore_eos=True)))
-        done = _done(engine.continue_on(cache, [5], at + 21, GenerationSettings(max_new_tokens=tokens,
-                                                                                 ignore_eos=True)))
-        step = engine._graph
-        check_us = 1e6 * timeit.timeit(step._buffers, number=2000) / 2000
-    finally:
-        GraphStep._body = body
+    step = HostSide(engine.model, cache, engine.policy.unit_heads(), logits)
+    _hand_over(engine, step)
+    at = length + 1
+    _done(engine.continue_on(cache, [5], at, GenerationSettings(max_new_tokens=20, ignore_eos=True)))
+    done = _done(engine.continue_on(cache, [5], at + 21, GenerationSettings(max_new_tokens=tokens, ignore_eos=True)))
+    if step.calls < done.new_tokens - 1:
+        raise SystemExit("the engine decoded without the host-side step")
+    check_us = 1e6 * timeit.timeit(step.buffers, number=2000) / 2000
     loop_ms = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
     return {"kv": kv, "layers": len(cache.layers), "units": done.kv_tokens, "tokens": done.new_tokens,
             "loop_ms_per_token": round(loop_ms, 4), "buffers_check_us": round(check_us, 1),

@@ -24,6 +24,13 @@ import time
 from collections import defaultdict
 
 
+def prompt(engine, n_tokens: int, seed: int) -> list[int]:
+    """`bench perf`'s prompt, built from the bench's tasks (public in every tree this compares)."""
+    from localchat.bench.tasks import niah_single, prompt_messages
+
+    return engine.encode_chat(prompt_messages(niah_single(engine.tokenizer, n_tokens, seed, depth=0.5)))
+
+
 def timed(engine, ids: list[int], new: int):
     """Done, CPU seconds to the first token (prefill), CPU seconds from there to the end (decode)."""
     from localchat.engine.events import Done, Token
@@ -43,16 +50,15 @@ def measure(weights: str, lengths: list[int], decode: int, label: str) -> None:
     # Imported here: `run` starts this in a process whose PYTHONPATH names the tree to measure.
     import torch
 
-    from localchat.bench.perf import _prompt, _run
     from localchat.engine.engine import Engine
     from localchat.planning.load import policy_for
 
     torch.manual_seed(0)
     engine = Engine.load(None, chunk=512, weights=weights, say=lambda *_: None)
     engine.set_policy(policy_for(engine, "locret", budget=1024, heads="random"), "compact")
-    _run(engine, _prompt(engine, 1500, 0), 4)  # warm-up
+    timed(engine, prompt(engine, 1500, 0), 4)  # warm-up
     for n in lengths:
-        done, cpu_prefill, cpu_decode = timed(engine, _prompt(engine, n, 0), decode)
+        done, cpu_prefill, cpu_decode = timed(engine, prompt(engine, n, 0), decode)
         print(json.dumps({"tree": label, "weights": weights, "dtype": str(next(engine.model.parameters()).dtype),
                           "length": n, "prompt_tokens": done.prompt_tokens, "prefill_s": round(done.prefill_s, 3),
                           "prefill_tok_s": round(done.prompt_tokens / done.prefill_s, 1),

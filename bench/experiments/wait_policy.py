@@ -28,18 +28,17 @@ LOADS = {
 
 def steady_step(units: int = 1180):
     """SmolLM2 at the default int4 weights after the bench's 7,600-token document cut to `units` tokens: `one()`
-    decodes a token and cuts the cache back, so every call steps over the same length; and the cache. (pool_ab.py
-    uses it too.)"""
+    decodes a token and cuts the cache back, so every call steps over the same length; and the cache."""
     import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
     import torch
 
-    from localchat.bench.perf import _prompt
+    from localchat.bench.perf import prompt
     from localchat.engine.decode_step import DecodeStep
     from localchat.engine.engine import Engine
     from localchat.engine.sampling import GenerationSettings
 
     engine = Engine.load(None, weights="int4")
-    ids = _prompt(engine, 7600, 0)[:units]
+    ids = prompt(engine, 7600, 0)[:units]
     cache = engine.new_cache(len(ids), 64)
     list(engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=1, ignore_eos=True), keep_last=True))
     step, token, pos = DecodeStep(engine.model, cache), torch.tensor([[100]]), len(ids) + 1

@@ -24,7 +24,7 @@ import torch
 from localchat.bench import machine
 from localchat.bench.cell import Cell, load_engine, use_policy
 from localchat.bench.peer import check_peer, load_peer, peer_rows, peer_summary
-from localchat.bench.perf import FLOOR_PROMPT, _prompt, _row, _run, _vs_peer, median_row, peer_lines, write
+from localchat.bench.perf import FLOOR_PROMPT, _row, _vs_peer, greedy, median_row, peer_lines, prompt, write
 from localchat.bench.runner import default_chunk
 from localchat.errors import UserError
 
@@ -67,7 +67,7 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
         say(f"decode: loading {w}")
         engines[w] = load_engine(_cell(config, w, "full", None, "original"))
     first = engines[config.weights[0]]
-    ids = _prompt(first, config.length, config.seed)
+    ids = prompt(first, config.length, config.seed)
     for w, engine in engines.items():
         budgets[w] = config.budget or (engine.card.locret.get("budget") if engine.card else None) or 1024
     runs: dict[str, list[list[dict]]] = {w: [] for w in config.weights}
@@ -78,14 +78,14 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
             say(f"decode: {w}, run {rep + 1}/{config.repeat}")
             use_policy(engine, _cell(config, w, "locret", budgets[w], "compact"))
             locret = _row(f"locret b={budgets[w]}, {w}", "locret", "compact", config.length,
-                          _run(engine, ids, config.decode_tokens))
+                          greedy(engine, ids, config.decode_tokens))
             engine.lean_decode = False
             stock = _row(f"locret b={budgets[w]} via transformers' forward, {w}", "locret", "compact",
-                         config.length, _run(engine, ids, config.decode_tokens))
+                         config.length, greedy(engine, ids, config.decode_tokens))
             engine.lean_decode = True
             use_policy(engine, _cell(config, w, "full", None, "original"))
             floor = _row(f"floor: full after {FLOOR_PROMPT} tokens, {w}", "full", "original", FLOOR_PROMPT,
-                         _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
+                         greedy(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
             runs[w].append([locret, stock, floor])
         if peer is not None:
             say(f"decode: {config.peer}, run {rep + 1}/{config.repeat}")

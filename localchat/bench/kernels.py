@@ -112,7 +112,7 @@ def micro(reps: int, device: torch.device, units=(1024, 4096, 16384)) -> list[di
 def end_to_end(config: KernelConfig, say):
     """Decode rows, and the engine (its device and name go into the setup)."""
     from localchat.bench.cell import Cell, load_engine, use_policy
-    from localchat.bench.perf import _prompt, _run
+    from localchat.bench.perf import greedy, prompt
 
     from localchat.bench.runner import default_chunk
 
@@ -121,7 +121,7 @@ def end_to_end(config: KernelConfig, say):
                 positions="compact", max_new_tokens=config.decode_tokens, kv="int4")
     engine = load_engine(cell)
     use_policy(engine, cell)
-    ids = _prompt(engine, config.length, config.seed)
+    ids = prompt(engine, config.length, config.seed)
     modes = [("int4, fused attention, Triton", "int4", True, "triton"),
              ("int4, fused attention, torch twin", "int4", True, "torch"),
              ("int4, dequantize then SDPA", "int4", False, None),
@@ -134,9 +134,9 @@ def end_to_end(config: KernelConfig, say):
         os.environ["LOCALCHAT_KERNELS"] = kind or "torch"
         kernels.reset_backend()
         engine.kv, engine.fused_decode = kv, fused
-        _run(engine, ids, 4)  # warm-up (and Triton's compile)
+        greedy(engine, ids, 4)  # warm-up (and Triton's compile)
         say(f"kernels: decode, {label}")
-        done = _run(engine, ids, config.decode_tokens)
+        done = greedy(engine, ids, config.decode_tokens)
         rows.append({"mode": label, "kv": kv, "prompt_tokens": done.prompt_tokens, "new_tokens": done.new_tokens,
                      "decode_tok_s": round(done.decode_tps, 2), "kv_mib": round(done.kv_bytes / 2**20, 2)})
     if asked is None:  # the caller's choice back

@@ -73,12 +73,15 @@ def doubling(low: int, high: int) -> list[int]:
     return lengths + [high]
 
 
-def _prompt(engine, n_tokens: int, seed: int) -> list[int]:
+def prompt(engine, n_tokens: int, seed: int) -> list[int]:
+    """The token ids of the bench's perf prompt: a niah_single sample of about `n_tokens` tokens (needle at half
+    depth), in the chat template."""
     sample = niah_single(engine.tokenizer, n_tokens, seed, depth=0.5)
     return engine.encode_chat(prompt_messages(sample))
 
 
-def _run(engine, ids: list[int], new: int) -> Done:
+def greedy(engine, ids: list[int], new: int) -> Done:
+    """`engine` answers `ids` with `new` greedy tokens (EOS ignored); its Done event. An Error raises UserError."""
     for event in engine.generate(ids, GenerationSettings(max_new_tokens=new, ignore_eos=True)):
         if isinstance(event, Error):
             raise UserError(event.message)
@@ -109,7 +112,8 @@ def median_row(rows: list[dict]) -> dict:
     return out
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -120,13 +124,13 @@ def hf_dynamic_cache(model, ids: list[int], chunk: int, new: int) -> Done:
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    prompt = torch.tensor([ids], device=device)
+    tokens = torch.tensor([ids], device=device)
     cache = DynamicCache(config=model.config)
     arg = {cache_kwarg(model): cache}
     t0 = time.perf_counter()
-    for start in range(0, prompt.shape[-1], chunk):
-        out = model(input_ids=prompt[:, start:start + chunk], use_cache=True, logits_to_keep=1, **arg)
-    _sync(device)
+    for start in range(0, tokens.shape[-1], chunk):
+        out = model(input_ids=tokens[:, start:start + chunk], use_cache=True, logits_to_keep=1, **arg)
+    sync(device)
     prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     for i in range(new):
@@ -134,7 +138,7 @@ def hf_dynamic_cache(model, ids: list[int], chunk: int, new: int) -> Done:
         if i == new - 1:
             break
         out = model(input_ids=tok, use_cache=True, **arg)
-    _sync(device)
+    sync(device)
     decode_s = time.perf_counter() - t1
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     return Done(text="", prompt_tokens=len(ids), new_tokens=new, prefill_s=prefill_s, decode_s=decode_s,
@@ -170,7 +174,7 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
     if engine.window and config.length >= engine.window:
         raise UserError(f"--length {config.length} must be below {engine.name}'s window ({engine.window}) "
                         f"for full attention at original positions")
-    ids = _prompt(engine, config.length, config.seed)
+    ids = prompt(engine, config.length, config.seed)
     budget = config.budget or (engine.card.locret.get("budget") if engine.card else None) or 1024
     def tag(rep: int) -> str:
         return f" (run {rep + 1}/{config.repeat})" if config.repeat > 1 else ""
@@ -182,37 +186,37 @@ def measure(config: PerfConfig, say=lambda s: None) -> dict:
         use_policy(engine, cell("full", None, "original"))
         say(f"perf: full, {len(ids)} tokens{tag(rep)}")
         full = _row("full (ours: in-place KVCache)", "full", "original", config.length,
-                    _run(engine, ids, config.decode_tokens))
+                    greedy(engine, ids, config.decode_tokens))
         say(f"perf: full through transformers DynamicCache{tag(rep)}")
         hf = _row("full (transformers DynamicCache, HF default path)", "full", "original", config.length,
                   hf_dynamic_cache(engine.model, ids, engine.chunk, config.decode_tokens))
         say(f"perf: floor, full after a {FLOOR_PROMPT}-token prompt{tag(rep)}")
         floor = _row(f"floor: full after a {FLOOR_PROMPT}-token prompt (weights only)", "full", "original",
-                     FLOOR_PROMPT, _run(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
+                     FLOOR_PROMPT, greedy(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))
         use_policy(engine, cell("locret", budget, "compact"))
         say(f"perf: locret b={budget}{tag(rep)}")
-        locret = _row("locret", "locret", "compact", config.length, _run(engine, ids, config.decode_tokens))
+        locret = _row("locret", "locret", "compact", config.length, greedy(engine, ids, config.decode_tokens))
         extra = []  # the optional LOCRET rows: with the cap, with focus
         if config.max_copies:
             use_policy(engine, cell("locret", budget, "compact", config.max_copies))
             say(f"perf: locret b={budget} max-copies={config.max_copies}{tag(rep)}")
             extra.append(_row(f"locret max-copies={config.max_copies}", "locret", "compact", config.length,
-                              _run(engine, ids, config.decode_tokens)))
+                              greedy(engine, ids, config.decode_tokens)))
         if config.focus:
             use_policy(engine, cell("locret", budget, "compact", focus=config.focus))
             say(f"perf: locret b={budget} focus={config.focus}{tag(rep)}")
             extra.append(_row(f"locret focus={config.focus}", "locret", "compact", config.length,
-                              _run(engine, ids, config.decode_tokens)))
+                              greedy(engine, ids, config.decode_tokens)))
         runs["side_by_side"].append([full, locret, hf, floor, *extra])
         if peer is not None:
             say(f"perf: {config.peer}{tag(rep)}")
             runs["peer"].append(peer_rows(peer, config.peer, ids, locret["kv_units_per_head"], config.decode_tokens))
-    prompts = [_prompt(engine, n, config.seed) for n in config.lengths]
+    prompts = [prompt(engine, n, config.seed) for n in config.lengths]
     use_policy(engine, cell("locret", budget, "compact"))  # the scaling run is plain LOCRET
     for rep in range(config.repeat):  # lengths interleaved: a drift of the machine's speed hits them all
-        for n, prompt, reps in zip(config.lengths, prompts, runs["locret_scaling"]):
+        for n, ids_n, reps in zip(config.lengths, prompts, runs["locret_scaling"]):
             say(f"perf: locret scaling, {n} tokens{tag(rep)}")
-            reps.append(_row("locret", "locret", "compact", n, _run(engine, prompt, config.scaling_decode_tokens)))
+            reps.append(_row("locret", "locret", "compact", n, greedy(engine, ids_n, config.scaling_decode_tokens)))
     side = [median_row([r[i] for r in runs["side_by_side"]]) for i in range(len(runs["side_by_side"][0]))]
     full, locret, hf, floor = side[:4]
     scaling = [median_row(reps) for reps in runs["locret_scaling"]]

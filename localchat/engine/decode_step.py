@@ -108,17 +108,25 @@ def _layer_plan(layer, on_qkv, act: str):
     return (norms[0].weight, norms[1].weight, norms[0].variance_epsilon, weights, meta)
 
 
+WAYS = ("layers", "ops", "torch")  # the module docstring's three ways, fastest first
+
+
 class DecodeStep:
     """`step(token, true_position)` -> the next token's logits `[vocab]`, the token's K/V appended to `cache`.
-    `on_qkv(layer_idx, qkv)` takes each layer's pre-RoPE q/k/v `[1, (H_q + 2 H_kv) d]` (LOCRET's scorer)."""
+    `on_qkv(layer_idx, qkv)` takes each layer's pre-RoPE q/k/v `[1, (H_q + 2 H_kv) d]` (LOCRET's scorer).
+    `way`: the fastest of `WAYS` the step may take ("layers", the default: the first that applies; "ops": no
+    whole-layer C++ call; "torch": no C++ kernel); `took` says which it took."""
 
-    def __init__(self, model, cache: KVCache, on_qkv=None):
+    def __init__(self, model, cache: KVCache, on_qkv=None, way: str = "layers"):
+        if way not in WAYS:
+            raise ValueError(f"decode step way {way!r}: use one of {', '.join(WAYS)}")
         self.model, self.cache = model, cache
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         dtype = inner.embed_tokens.weight.dtype
         # the C++ attention and RMSNorm (kernels/cpu_decode.py) for an fp32 model on the CPU
-        native = cpu_decode.kernels() if dtype == torch.float32 and self.embed.weight.device.type == "cpu" else None
+        native = cpu_decode.kernels() if (dtype == torch.float32 and self.embed.weight.device.type == "cpu"
+                                          and way != "torch") else None
         self.native = native is not None
         self.layers = [(_norm(layer.input_layernorm, dtype, native), layer.self_attn, _qkv(layer.self_attn),
                         _norm(layer.post_attention_layernorm, dtype, native), _mlp(layer.mlp))
@@ -134,8 +142,14 @@ class DecodeStep:
         # whole layers in one C++ call each where every layer allows it
         self.on_qkv = on_qkv
         plans = [_layer_plan(layer, on_qkv, getattr(model.config, "hidden_act", ""))
-                 for layer in inner.layers[: model.config.num_hidden_layers]] if self.kernels is not None else [None]
+                 for layer in inner.layers[: model.config.num_hidden_layers]] \
+            if self.kernels is not None and way == "layers" else [None]
         self.plans = plans if all(p is not None for p in plans) else None
+
+    @property
+    def took(self) -> str:
+        """The way a step takes: "layers", "ops" or "torch"."""
+        return "layers" if self.plans is not None else "ops" if self.kernels is not None else "torch"
 
     @staticmethod
     def _plain_fp32(cache: KVCache) -> bool:

@@ -10,7 +10,7 @@ the projections (called past their hooks), RoPE, the new unit's K/V, score and p
 quantized cache's packed part plus its tail, lengths read on the device), the MLP; then the final norm and the
 logits. The retaining heads score the new unit inside the step (LOCRET); eviction, the tail's quantization and
 the chat's bookkeeping stay outside, between replays. The element-wise ops are kernels/fused.py's fused kernels;
-with `GraphStep.GEMV` each norm and the SiLU product run inside the product that reads them.
+with `gemv=True` each norm and the SiLU product run inside the product that reads them.
 
 A graph is bound to the buffers it read at capture: when the cache grows (a reallocation), keeps key remainders
 for the first time, or another cache comes, the step captures again. On a CPU (the tests) or when capture fails
@@ -28,7 +28,8 @@ import torch
 from localchat.engine.cache import KVCache
 from localchat.engine.decode_step import LAYOUTS
 from localchat.engine.qcache import QuantizedKVCache
-from localchat.kernels import fused, graph_attn
+from localchat.kernels import fused, graph_attn, qattn
+from localchat.kernels.fused import join_linears, serves
 from localchat.kernels.quant import group_size
 
 TOKEN, SLOT, ROPE, TRUE, TAIL_SLOT, MAIN, TAIL = range(7)  # the fields of `inputs`
@@ -80,15 +81,18 @@ def _plain(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 class GraphStep:
     """`step(token, true_position)` -> the next token's logits `[vocab]`, the token's unit added to `cache` with its
     K/V, original position and (with `heads`: LOCRET's retaining heads) its score. `capture`: replay a CUDA graph
-    (default: on a CUDA device); `reason` says why it runs eagerly when capture failed."""
+    (default: on a CUDA device); `reason` says why it runs eagerly when capture failed.
 
-    FUSED = True  # the residual adds, norms, RoPE and SiLU product as kernels/fused.py's kernels where they serve
-    # with FUSED, each norm and the SiLU product computed inside the product that reads it (fused.norm_linear,
-    # silu_linear: Triton GEMVs, 3 launches a layer fewer) where the weights are plain; off until a GPU has timed
-    # these GEMVs against cuBLAS's
-    GEMV = False
+    The engine builds it with the defaults; bench/experiments/gpu_decode.py times the others:
+      fused  the residual adds, norms, RoPE and SiLU product as kernels/fused.py's kernels where they serve (True);
+             False: op by op
+      gemv   with `fused`, each norm and the SiLU product computed inside the product that reads it
+             (fused.norm_linear, silu_linear: Triton GEMVs, 3 launches a layer fewer) where the weights are plain
+             (False: off until a GPU has timed these GEMVs against cuBLAS's)
+      split  decode attention's split kernel settings (kernels/qattn.py `Split`; None: its defaults)"""
 
-    def __init__(self, model, cache: KVCache, heads=None, capture: bool | None = None):
+    def __init__(self, model, cache: KVCache, heads=None, capture: bool | None = None, *, fused: bool = True,
+                 gemv: bool = False, split: qattn.Split | None = None):
         self.model, self.heads = model, heads
         self._cache = weakref.ref(cache)  # an engine keeps its last step: it must not keep a finished chat's cache
         inner = model.model
@@ -105,15 +109,16 @@ class GraphStep:
         self.bound = None  # the buffers the graph was captured on
         self.reason: str | None = None
         self.heads_dtype = next(heads.parameters()).dtype if heads is not None else None
-        self.fused = self.FUSED and fused.serves(model)
+        self.split = split
+        self.fused = fused and serves(model)
         # q/k/v and gate/up as one product each, where they are plain linear layers (bf16/fp32 weights)
-        self.qkv = [fused.join_linears(layer.self_attn, "joined_qkv", [getattr(layer.self_attn, f"{n}_proj")
-                                                                        for n in "qkv"])
+        self.qkv = [join_linears(layer.self_attn, "joined_qkv", [getattr(layer.self_attn, f"{n}_proj")
+                                                                  for n in "qkv"])
                     if self.fused and hasattr(layer.self_attn, "q_proj") else None for layer in self.layers]
-        self.gate_up = [fused.join_linears(layer.mlp, "joined_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
+        self.gate_up = [join_linears(layer.mlp, "joined_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
                         if self.fused and hasattr(layer.mlp, "gate_proj") else None for layer in self.layers]
         # (weight, bias) of the products a norm or the SiLU product feeds, for the GEMVs; None where not plain
-        gemv = self.fused and self.GEMV
+        gemv = self.fused and gemv
         self.gemv_qkv = [(self.qkv[i] or _plain(getattr(layer.self_attn, "qkv_proj", None))) if gemv else None
                          for i, layer in enumerate(self.layers)]
         self.gemv_gate_up = [(self.gate_up[i] or _plain(getattr(layer.mlp, "gate_up_proj", None))) if gemv else None
@@ -147,7 +152,7 @@ class GraphStep:
     def _like(self, layer) -> torch.Tensor:
         return torch.zeros((1, layer._q["qk"].shape[1], 1, layer.head_dim), dtype=layer.dtype, device=layer._s.device)
 
-    def _buffers(self) -> tuple:
+    def buffers(self) -> tuple:
         """Where every buffer the step writes or reads lies, and its shape: a change means capture again."""
         out = []
         for layer in self.cache.layers:
@@ -164,12 +169,12 @@ class GraphStep:
         values = [token, slot, rope, true_position, tail_slot, main, tail]
         self.inputs.copy_(torch.tensor(values, dtype=torch.long))
         if not self.capture:
-            return self._body()
-        bound = self._buffers()
+            return self.body()
+        bound = self.buffers()
         if self.graph is None or bound != self.bound:
             self._capture(bound)
         if self.graph is None:  # capture failed: eager from now on
-            return self._body()
+            return self.body()
         self.graph.replay()
         return self.out.clone()
 
@@ -179,11 +184,11 @@ class GraphStep:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS sets up (writes this step's unit)
-                eager = self._body().clone()
+                eager = self.body().clone()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = self._body()
+                out = self.body()
             graph.replay()  # the same step again: the replay must give what the eager body gave
             agree = torch.allclose(out.float(), eager.float(), rtol=1e-2, atol=1e-2 * float(eager.abs().max()))
         except Exception as exc:  # noqa: BLE001 - a layer that cannot be captured: decode eagerly
@@ -236,7 +241,9 @@ class GraphStep:
             return fused.silu_linear(gate, up, *self.gemv_down[i]), h
         return mlp.down_proj.forward(fused.silu_mul(gate, up)), h
 
-    def _body(self) -> torch.Tensor:
+    def body(self) -> torch.Tensor:
+        """The step's device work from `inputs` (the layers, the cache's writes, the logits): what a graph
+        captures."""
         inputs, d = self.inputs, self.head_dim
         slot, tail_slot, lens = inputs[SLOT:SLOT + 1], inputs[TAIL_SLOT:TAIL_SLOT + 1], inputs[MAIN:TAIL + 1]
         true = inputs[TRUE:TRUE + 1]
@@ -262,10 +269,10 @@ class GraphStep:
             query = q.reshape(1, self.q_heads, 1, d)
             if self.quantized:
                 out = graph_attn.attention(query, held._q, held._tk, held._tv, lens, held.bits, group_size(d),
-                                           self.scaling, held.inv_freq)
+                                           self.scaling, held.inv_freq, self.split)
             else:
                 out = graph_attn.attention(query, {"k": held._k, "v": held._v}, None, None, lens, 0, d,
-                                           self.scaling)
+                                           self.scaling, split=self.split)
             attended = attn.o_proj.forward(out.view(1, 1, -1))
             if self.fused:
                 pending, h = self._mlp(i, layer, attended, h)

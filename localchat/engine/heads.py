@@ -238,6 +238,9 @@ def hook_qkv(model, on_qkv) -> list:
     return handles
 
 
+HEADS_RANGE = "localchat.heads"  # the profiler's name for a chunk's scoring (bench/experiments/gpu_prefill_profile.py)
+
+
 class HeadScorer:
     """Forward hooks on q/k/v projections; after a forward, `take(i)` gives layer i's new scores `[H_kv, T]`.
 
@@ -257,11 +260,13 @@ class HeadScorer:
         self.handles = hook_qkv(model, self.take_qkv)
 
     def take_qkv(self, i: int, qkv: torch.Tensor) -> None:
-        """Layer i's pre-RoPE q/k/v `[T, (H_q + 2 H_kv) d]` (what the hooks give)."""
+        """Layer i's pre-RoPE q/k/v `[T, (H_q + 2 H_kv) d]` (what the hooks give); a chunk's scoring is a profiler
+        range named `HEADS_RANGE`."""
         if qkv.shape[0] == 1:
             self.queue[i].append(qkv)
         else:
-            self.new[i] = self._run(i, qkv)
+            with torch.profiler.record_function(HEADS_RANGE):
+                self.new[i] = self._run(i, qkv)
 
     def _run(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
         return self.heads.layers[i](qkv.to(self.dtype)).T.float()  # [H_kv, T]

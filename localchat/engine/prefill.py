@@ -58,15 +58,20 @@ def forward(model, cache: KVCache, ids: torch.Tensor, true_first: int) -> torch.
     return out.logits[0, -1]
 
 
+EVICT_RANGE = "localchat.evict"  # the profiler's name for an eviction (bench/experiments/gpu_prefill_profile.py)
+
+
 def evict(cache: KVCache, policy: Policy, last_chunk: bool, recent: int = 0) -> bool:
     """Keep the top-`keep_size` (normally `budget`) units per KV head of every layer (plus the `recent`
-    newest), in temporal order. True if it evicted."""
+    newest), in temporal order. True if it evicted; the eviction is a profiler range named `EVICT_RANGE`."""
     keep_n = policy.keep_size(cache) + recent
     if cache.get_seq_length() <= keep_n:
         return False
-    prios = [protect_recent(policy.priority(layer, i, last_chunk), recent) for i, layer in enumerate(cache.layers)]
-    for i, keep in enumerate(select(prios, keep_n)):  # one batched top-k over the layers (kernels/evict.py)
-        cache.keep(i, keep)
+    with torch.profiler.record_function(EVICT_RANGE):
+        prios = [protect_recent(policy.priority(layer, i, last_chunk), recent)
+                 for i, layer in enumerate(cache.layers)]
+        for i, keep in enumerate(select(prios, keep_n)):  # one batched top-k over the layers (kernels/evict.py)
+            cache.keep(i, keep)
     return True
 
 

@@ -316,9 +316,9 @@ def test_perf_measures_the_cap_beside_plain_locret(tiny_dir, tmp_path, monkeypat
     from localchat.engine.policies import locret
 
     calls, caps = [], []
-    real_cap, real_run = locret.cap_copies, perf._run
+    real_cap, real_run = locret.cap_copies, perf.greedy
     monkeypatch.setattr(locret, "cap_copies", lambda *a: calls.append(1) or real_cap(*a))
-    monkeypatch.setattr(perf, "_run", lambda engine, *a: caps.append(getattr(engine.policy, "max_copies", None))
+    monkeypatch.setattr(perf, "greedy", lambda engine, *a: caps.append(getattr(engine.policy, "max_copies", None))
                         or real_run(engine, *a))
     argv = ["bench", "perf", "--out", str(tmp_path), "--model", tiny_dir, "--chunk", "64", "--length", "256",
             "--min-length", "128", "--max-length", "256", "--budget", "64", "--decode-tokens", "3",

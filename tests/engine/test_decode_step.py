@@ -29,29 +29,16 @@ def _locret(model):
     return make_policy("locret", budget=48, stabilizers=8, local=8, decode_window=4, heads=heads)
 
 
-PATHS = ["layers", "ops", "torch"]  # a C++ call per layer; C++ attention and norms between torch ops; torch only
-
-
-def _path(monkeypatch, path):
-    """Make DecodeStep take `path` (kernels/cpu_decode.py builds the C++ kernels; they must build here)."""
-    assert cpu_decode.kernels() is not None, cpu_decode.reason()
-    if path == "ops":
-        monkeypatch.setattr(decode_step, "_layer_plan", lambda *a: None)
-    elif path == "torch":
-        monkeypatch.setattr(cpu_decode, "kernels", lambda: None)
-
-
-def _took(step: DecodeStep) -> str:
-    return "layers" if step.plans is not None else "ops" if step.kernels is not None else "torch"
+PATHS = decode_step.WAYS  # a C++ call per layer; C++ attention and norms between torch ops; torch only
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("arch", LEAN)
-def test_a_step_gives_transformers_logits_and_cache(arch, path, tok, monkeypatch):
+def test_a_step_gives_transformers_logits_and_cache(arch, path, tok):
     """Steps after a LOCRET read at compact positions (so RoPE slots, not true positions): logits, keys, values,
     positions and the retaining heads' scores of the new units as transformers' forward leaves them, step after
     step, on each way through a step (Qwen3's per-head q/k norms keep torch's ops)."""
-    _path(monkeypatch, path)
+    assert cpu_decode.kernels() is not None, cpu_decode.reason()  # the C++ kernels must build here
     model = tiny_architecture(arch, len(tok))
     engine = Engine(model, tok, chunk=32, policy=_locret(model))
     ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1))
@@ -59,8 +46,8 @@ def test_a_step_gives_transformers_logits_and_cache(arch, path, tok, monkeypatch
     theirs, _ = read_attached(engine, model, ids)
     assert decode_step.supported(model, ours)
     policy = engine.policy
-    lean = DecodeStep(model, ours, on_qkv=policy.qkv_sink())
-    assert _took(lean) == ("torch" if arch == "qwen3" else path)
+    lean = DecodeStep(model, ours, on_qkv=policy.qkv_sink(), way=path)
+    assert lean.took == ("torch" if arch == "qwen3" else path)
     for i, token in enumerate([5, 17, 9, 40]):
         step = torch.tensor([[token]])
         a = lean.step(step, 200 + i)  # q/k/v reach the retaining heads through `qkv_sink`
@@ -108,11 +95,10 @@ def test_a_quantized_cache_keeps_its_fused_decode(tok):
     assert not decode_step.supported(model, engine.new_cache(100, 4))
 
 
-@pytest.mark.parametrize("together", [True, False])
-def test_packed_int4_layers_give_the_forward_logits(together, tok):
-    """int4 weights (engine/packed_store.py) through the whole-layer C++ step, its q/k/v and gate/up products in one
-    parallel region each (`together`, on AVX2 CPUs) or one region per product: transformers' forward through the
-    same packed layers, step after step."""
+def test_packed_int4_layers_give_the_forward_logits(tok):
+    """int4 weights (engine/packed_store.py) through the whole-layer C++ step (on AVX2 CPUs its q/k/v and gate/up
+    products in one parallel region each): transformers' forward through the same packed layers, step after
+    step."""
     from localchat.engine import packed_store
     from localchat.kernels.packed import PackedLinear
 
@@ -127,17 +113,13 @@ def test_packed_int4_layers_give_the_forward_logits(together, tok):
     theirs, _ = read_attached(engine, model, ids)
     policy = engine.policy
     lean = DecodeStep(model, ours, on_qkv=policy.qkv_sink())
-    assert _took(lean) == "layers"
-    native.set_together(together)
-    try:
-        for i, token in enumerate([5, 17, 9]):
-            a = lean.step(torch.tensor([[token]]), 150 + i)
-            policy._flush(ours)
-            b = forward(model, theirs, torch.tensor([[token]]), 150 + i)
-            policy._flush(theirs)
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    finally:
-        native.set_together(True)
+    assert lean.took == "layers"
+    for i, token in enumerate([5, 17, 9]):
+        a = lean.step(torch.tensor([[token]]), 150 + i)
+        policy._flush(ours)
+        b = forward(model, theirs, torch.tensor([[token]]), 150 + i)
+        policy._flush(theirs)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for x, y in zip(ours.layers, theirs.layers):
         torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
     policy.detach()

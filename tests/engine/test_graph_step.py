@@ -32,9 +32,11 @@ def _locret(model, decode_window: int = 0):
     return make_policy("locret", budget=48, stabilizers=8, local=8, decode_window=decode_window, heads=heads)
 
 
-def _steps(arch, tok, kv="none", positions="compact", residual=None, tokens=(5, 17, 9, 40, 3, 11)):
-    """Decode `tokens` on two copies of one LOCRET read: through GraphStep (eagerly) and through transformers'
-    forward with the retaining heads' hooks; assert logits, then return both caches."""
+def _steps(arch, tok, kv="none", positions="compact", residual=None, tokens=(5, 17, 9, 40, 3, 11), made=None,
+           **settings):
+    """Decode `tokens` on two copies of one LOCRET read: through GraphStep (eagerly; `settings`: its keywords) and
+    through transformers' forward with the retaining heads' hooks; assert logits, then return both caches (the
+    step appended to `made`)."""
     model = tiny_architecture(arch, len(tok))
     engine = Engine(model, tok, chunk=32, policy=_locret(model), kv=kv, positions=positions)
     ids = torch.randint(3, len(tok) - 3, (1, 200), generator=torch.Generator().manual_seed(1))
@@ -44,8 +46,10 @@ def _steps(arch, tok, kv="none", positions="compact", residual=None, tokens=(5, 
         for layer in [*ours.layers, *theirs.layers]:
             layer.residual = residual
     assert graph_step.why_not(model, ours, policy.unit_heads()) is None
-    step = GraphStep(model, ours, heads=policy.unit_heads())
-    assert not step.capture and step.fused  # a CPU model: the body runs eagerly, the fused ops as their twins
+    step = GraphStep(model, ours, heads=policy.unit_heads(), **settings)
+    assert not step.capture and step.fused == settings.get("fused", True)  # a CPU model: eager, the fused ops' twins
+    if made is not None:
+        made.append(step)
     fused = FusedDecode(model, theirs) if kv != "none" else None
     for i, token in enumerate(tokens):
         a = step.step(token, 200 + i)
@@ -69,6 +73,16 @@ def test_a_step_gives_transformers_logits_and_cache(arch, tok):
         torch.testing.assert_close(x.values, y.values, rtol=1e-5, atol=1e-6)
         assert torch.equal(x.positions, y.positions)
         assert x.scores[:, -6:].abs().sum() > 0  # the decoded units were scored inside the step
+        torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
+
+
+def test_the_step_op_by_op(tok):
+    """`fused=False`: the norms, RoPE and SiLU product op by op, and no joined products; the same logits and
+    scores as transformers' forward."""
+    made = []
+    ours, theirs = _steps("llama", tok, tokens=(5, 17, 9), made=made, fused=False)
+    assert made[0].qkv == [None] * len(made[0].qkv) and made[0].gemv_down == [None] * len(made[0].gemv_down)
+    for x, y in zip(ours.layers, theirs.layers):
         torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
 
 
@@ -113,33 +127,25 @@ def test_the_quantized_cache(kv, tok):
 
 
 @pytest.mark.parametrize("kv,way", [("none", "group"), ("int4", "group"), ("int4", "dot")])
-def test_the_triton_kernel_in_the_step(kv, way, tok, triton_kernels, monkeypatch):
+def test_the_triton_kernel_in_the_step(kv, way, tok, triton_kernels):
     """The step's Triton kernels (interpreted), the retaining heads' one included, with the split kernel's grouped
     way and its tensor-core way: logits, and the new units' scores as the heads' hooks give them."""
     from localchat.kernels import qattn
 
-    monkeypatch.setattr(qattn, "WAY", way)
-    ours, theirs = _steps("llama", tok, kv=kv, residual=2 if kv != "none" else None, tokens=(5, 17, 9))
+    ours, theirs = _steps("llama", tok, kv=kv, residual=2 if kv != "none" else None, tokens=(5, 17, 9),
+                          split=qattn.Split(way=way))
     for x, y in zip(ours.layers, theirs.layers):
         assert x.scores[:, -3:].abs().sum() > 0
         torch.testing.assert_close(x.scores, y.scores, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
-def test_the_gemvs_in_the_step(arch, tok, triton_kernels, monkeypatch):
-    """GraphStep.GEMV: each norm inside the product that reads it and the SiLU product inside the down
+def test_the_gemvs_in_the_step(arch, tok, triton_kernels):
+    """`gemv=True`: each norm inside the product that reads it and the SiLU product inside the down
     projection (Triton GEMVs, interpreted); the same logits and scores as transformers' forward with the heads'
     hooks. Phi-3's own q/k/v and gate/up projections serve as they are."""
-    monkeypatch.setattr(GraphStep, "GEMV", True)
     made = []
-    real = GraphStep.__init__
-
-    def init(self, *args, **kwargs):
-        real(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(GraphStep, "__init__", init)
-    ours, theirs = _steps(arch, tok, tokens=(5, 17, 9))
+    ours, theirs = _steps(arch, tok, tokens=(5, 17, 9), made=made, gemv=True)
     step = made[0]
     assert all(w is not None for w in [*step.gemv_qkv, *step.gemv_gate_up, *step.gemv_down])
     for x, y in zip(ours.layers, theirs.layers):

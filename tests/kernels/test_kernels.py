@@ -49,36 +49,33 @@ WAY_TOLERANCE = {"group": 1e-4, "head": 1e-4, "dot": 5e-3}
 
 
 @pytest.mark.parametrize("hq,h,d,nq,nt,bits,rotate,way", KERNEL_CASES)
-def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate, way, monkeypatch):
+def test_decode_attention_kernel_equals_twin(hq, h, d, nq, nt, bits, rotate, way):
     """Every split kernel (one program per KV head for its query heads, with or without tensor cores, or per
     query head) equals the twin."""
-    monkeypatch.setattr(qattn, "WAY", way)
     quant = quantized(h, nq, d, bits, seed=nq)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, hq, 1, d, generator=g).to(DEV)
     tk, tv = (torch.randn(1, h, nt, d, generator=g).to(DEV) for _ in range(2))
     inv = inv_freq(d).to(DEV) if rotate else None
     args = (q, quant, tk, tv, bits, group_size(d), d**-0.5, inv)
-    got, want = qattn.decode_attention_triton(*args), qattn.decode_attention_torch(*args)
+    got, want = qattn.decode_attention_triton(*args, qattn.Split(way=way)), qattn.decode_attention_torch(*args)
     assert got.shape == want.shape == (1, 1, hq, d)
     torch.testing.assert_close(got, want, atol=WAY_TOLERANCE[way], rtol=WAY_TOLERANCE[way])
 
 
 @pytest.mark.parametrize("way", ["group", "dot"])
-def test_many_splits_merge_in_blocks(way, monkeypatch):
+def test_many_splits_merge_in_blocks(way):
     """Up to the most splits (the split target far above the units' blocks): the merge adds the partials up 16 at
     a time, and the answer is the twin's."""
-    monkeypatch.setattr(qattn, "WAY", way)
-    monkeypatch.setattr(qattn, "TARGET_PROGRAMS", 1056)
-    monkeypatch.setattr(qattn, "DOT_BLOCK", 16)
+    split = qattn.Split(way=way, programs=1056, block=16)
     hq, h, d, nq, nt = 4, 2, 32, 1200, 3
     quant = quantized(h, nq, d, 8, seed=5)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, hq, 1, d, generator=g).to(DEV)
     tk, tv = (torch.randn(1, h, nt, d, generator=g).to(DEV) for _ in range(2))
     args = (q, quant, tk, tv, 8, group_size(d), d**-0.5, inv_freq(d).to(DEV))
-    assert qattn.plan_splits(nq, h, 16 if way == "dot" else 64)[0] > 16
-    torch.testing.assert_close(qattn.decode_attention_triton(*args), qattn.decode_attention_torch(*args),
+    assert qattn.plan_splits(nq, h, 16 if way == "dot" else 64, 1056)[0] > 16
+    torch.testing.assert_close(qattn.decode_attention_triton(*args, split), qattn.decode_attention_torch(*args),
                                atol=WAY_TOLERANCE[way], rtol=WAY_TOLERANCE[way])
 
 
@@ -93,13 +90,12 @@ GRAPH_CASES = [
 
 @pytest.mark.parametrize("way", qattn.WAYS)
 @pytest.mark.parametrize("hq,h,d,cap,n,tcap,nt,bits,rotate", GRAPH_CASES)
-def test_graph_attention_reads_only_the_units_held(hq, h, d, cap, n, tcap, nt, bits, rotate, way, monkeypatch):
+def test_graph_attention_reads_only_the_units_held(hq, h, d, cap, n, tcap, nt, bits, rotate, way):
     """kernels/graph_attn.py (a captured decode step's attention: buffers at capacity, lengths in device memory):
     the Triton kernel equals its twin, both equal attention over the held units alone, and whatever lies past the
     lengths (NaN here) is never read."""
     from localchat.kernels import graph_attn
 
-    monkeypatch.setattr(qattn, "WAY", way)
     g = torch.Generator().manual_seed(cap + n)
     q = torch.randn(1, hq, 1, d, generator=g).to(DEV)
     if bits:
@@ -113,7 +109,7 @@ def test_graph_attention_reads_only_the_units_held(hq, h, d, cap, n, tcap, nt, b
     lens = torch.tensor([n, nt], dtype=torch.long, device=DEV)
     inv = inv_freq(d).to(DEV) if rotate else None
     args = (q, main, tk, tv, lens, bits, group_size(d), d**-0.5, inv)
-    got, twin = graph_attn.attention_triton(*args), graph_attn.attention_torch(*args)
+    got, twin = graph_attn.attention_triton(*args, qattn.Split(way=way)), graph_attn.attention_torch(*args)
     if bits:
         held = {k: v[:, :, :n] for k, v in main.items()}
         want = qattn.decode_attention_torch(q, held, tk[:, :, :nt], tv[:, :, :nt], bits, group_size(d), d**-0.5, inv)

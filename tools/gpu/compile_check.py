@@ -9,7 +9,7 @@ with the kernels interpreted, and compiles each launch, with the same arguments,
   1. the engine on a model of `--config`'s shape (random weights, `--layers` layers, bf16 as on a GPU), LOCRET
      with retaining heads of the release's shape (d_R = 1,024): a chunked read with eviction, then tokens decoded
      through the captured decode step's body, per `--kv` cache and split kernel way (`--ways`), and once more
-     with the step's GEMVs (GraphStep.GEMV);
+     with the step's GEMVs (GraphStep(..., gemv=True));
   2. decode attention alone at a long cache (`--units`, as after a 128K read at b = 16,384) in each way, block
      and warps a program (`--warps`), compiled only.
 
@@ -99,8 +99,8 @@ def model_of(config_path: str, layers: int, vocab: int):
 
 def drive_engine(recorder: Recorder, model, tok, kv: str, way: str, read: int, budget: int,
                  gemv: bool = False) -> None:
-    """A LOCRET read with eviction and a few tokens through the captured step's body (eager on a CPU); `gemv`:
-    with GraphStep.GEMV's products."""
+    """A LOCRET read with eviction and a few tokens through the captured step's body (eager on a CPU), its split
+    kernel's `way`; `gemv`: with GraphStep's `gemv=True` products."""
     from localchat.engine.engine import Engine
     from localchat.engine.graph_step import GraphStep
     from localchat.engine.heads import RetainingHeads
@@ -112,16 +112,17 @@ def drive_engine(recorder: Recorder, model, tok, kv: str, way: str, read: int, b
     policy = make_policy("locret", budget=budget, stabilizers=16, local=32, heads=heads)
     engine = Engine(model, tok, chunk=max(64, budget // 2), policy=policy, kv=kv)
     Engine.GRAPH_DEVICES = ("cuda", "cpu")  # the captured step's body, run eagerly here
-    qattn.WAY, GraphStep.GEMV = way, gemv
     if gemv:
         _record_gemvs(recorder)
     ids = torch.randint(3, len(tok) - 3, (read,), generator=torch.Generator().manual_seed(0)).tolist()
     cache = engine.new_cache(read, 4)
+    # the engine reuses its last step while it is bound to the same cache and heads: this one, with these settings
+    step = engine._graph = GraphStep(model, cache, heads, gemv=gemv, split=qattn.Split(way=way))
     recorder.where = f"engine kv={kv} way={way}" + (" gemv" if gemv else "")
     for event in engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=3, ignore_eos=True)):
         if type(event).__name__ == "Error":
             raise SystemExit(f"error: {event.message}")
-    if engine._graph is None or engine._graph.reason:
+    if step.reason or not step.inputs.any():
         raise SystemExit(f"the decode step was not taken ({kv}, {way}): nothing of it was compiled")
 
 
@@ -167,17 +168,17 @@ def drive_attention(recorder: Recorder, config: dict, units: int, bits_list: lis
     tk, tv = (torch.randn(1, h, 64, d, dtype=torch.bfloat16) for _ in range(2))
     lens = torch.tensor([units, 64])
     inv = inv_freq(d)
-    recorder.execute, warps_before = False, qattn.WARPS
+    recorder.execute = False
     for bits in bits_list:
         main = cache(h, units, d, bits, "cpu")
         for way in ways:
-            for block in ((32, 64) if way == "dot" else (qattn.DOT_BLOCK,)):
+            for block in ((32, 64) if way == "dot" else (qattn.DEFAULT.block,)):
                 for w in warps:
-                    qattn.WAY, qattn.DOT_BLOCK, qattn.WARPS = way, block, w
+                    split = qattn.Split(way=way, block=block, warps=w)
                     recorder.where = f"attention {units} units, {bits or 16}-bit"
                     graph_attn.attention_triton(q, main, *((tk, tv) if bits else (None, None)), lens, bits,
-                                                group_size(d), d ** -0.5, inv if bits else None)
-    recorder.execute, qattn.WARPS = True, warps_before
+                                                group_size(d), d ** -0.5, inv if bits else None, split)
+    recorder.execute = True
 
 
 def record(args) -> list[dict]:
