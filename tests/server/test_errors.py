@@ -93,3 +93,50 @@ def test_listening_beyond_this_machine_needs_an_api_key(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("localchat: error: --host 0.0.0.0 is reachable from other machines") and "\n" not in err
     assert main(["serve", "--api-key", " "]) == 2
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'),
+    ("/api/chat", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}'),
+    ("/api/generate", b'{"model": "tiny", "prompt": "hi \\ud800"}'),
+])
+def test_text_that_is_not_unicode_is_refused_in_one_line(serve, path, body):
+    r = _post(serve(), body, path, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"] if path.startswith("/api/") else r.json()["error"]["message"]
+    assert "is not valid text" in message and "\n" not in message
+
+
+def test_a_client_gone_mid_request_is_one_line_in_the_log(serve, capfd):
+    import socket
+    import time
+
+    service = serve()
+    capfd.readouterr()
+    with socket.create_connection((service.host, service.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")
+        time.sleep(0.3)
+    time.sleep(1.0)
+    assert _post(service, {"messages": QUESTION}).status_code == 200  # the server goes on
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ClientDisconnect" not in err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "localchat: a client went away while sending its request to /v1/chat/completions"]
+
+
+def test_an_engine_failure_is_a_500_in_one_sentence_and_one_log_line(serve, capfd, monkeypatch):
+    service = serve()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded\nat line 3")
+        yield  # pragma: no cover - a generator
+
+    monkeypatch.setattr(service.conversations.engine, "continue_on", broken)
+    capfd.readouterr()
+    r = _post(service, {"messages": QUESTION})
+    assert r.status_code == 500 and r.json()["error"]["message"] == "the engine failed: kernel exploded"
+    assert r.json()["error"]["code"] == "server_error"
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and "kernel exploded" in err
