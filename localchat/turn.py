@@ -120,10 +120,11 @@ def fit(session: Session, documents: Sequence[Document]) -> str | None:
     the best bounded policy without heads; the line that says so, else None."""
     from localchat.engine.policies import NO_HEADS_POLICY
     from localchat.planning.load import fit_document, use_spec
+    from localchat.planning.resolve import is_default
 
     engine = session.engine
-    if engine.spec is None:
-        return None
+    if engine.spec is None or engine.policy.bounded() or not is_default(engine.spec, "policy"):
+        return None  # what follows counts the documents' tokens
     tokens = engine.count_tokens("".join(d.text for d in documents))
     spec = fit_document(engine, engine.spec, tokens, session.kv_units)
     if spec is None:

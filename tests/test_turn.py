@@ -131,3 +131,21 @@ def test_a_long_document_turns_the_default_full_attention_to_a_bounded_policy(ti
     assert notes and f"reading it with {NO_HEADS_POLICY}" in notes[0]
     assert isinstance(events[-1], Done) and tiny_engine.policy.name == NO_HEADS_POLICY
     assert tiny_engine.spec.policy.name == NO_HEADS_POLICY
+
+
+@pytest.mark.model
+def test_a_one_off_turn_answers_as_the_engine_alone_does(smollm2, tmp_path) -> None:
+    """`ask` without a chat goes through the turn path: the real model's answer, token for token, and the tokens
+    read are those of the engine answering the same messages on its own."""
+    from localchat.documents import load_document
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.render import user_turn
+
+    path = tmp_path / "notes.txt"
+    path.write_text("Remember this: the pass key is 48213. " + "The grass is green and the sky is blue. " * 60)
+    docs, question = [load_document(str(path))], "What is the pass key?"
+    settings = GenerationSettings(max_new_tokens=16)
+    alone = list(smollm2.chat([{"role": "user", "content": user_turn(question, docs)}], settings))[-1]
+    turn = list(answer(Session(smollm2), question, docs, settings))[-1]
+    assert isinstance(alone, Done) and isinstance(turn, Done)
+    assert turn.text == alone.text and turn.prompt_tokens == alone.prompt_tokens and turn.new_tokens == alone.new_tokens
