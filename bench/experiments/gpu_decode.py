@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from localchat.bench.perf import sync
-from localchat.engine.engine import Engine
+from localchat.engine.engine import Decoding, Engine
 from localchat.engine.events import Done, Error, Notice, Token
 from localchat.engine.graph_step import GraphStep
 from localchat.engine.heads import RetainingHeads
@@ -62,20 +62,17 @@ def _done(events, notes: list | None = None, on_token=None) -> Done:
     raise RuntimeError("no Done event")
 
 
-def _way(engine: Engine, way: str, split: qattn.Split):
-    """Set the engine's decode switches for `way`; for a graph way, (cache -> its GraphStep), else None."""
-    engine.graph_decode = way.startswith("graph")
-    engine.lean_decode = way != "forward"
-    if not way.startswith("graph"):
-        return None
-    return lambda cache: GraphStep(engine.model, cache, engine.policy.unit_heads(), fused=way != "graph-unfused",
-                                   gemv=way == "graph-gemv", split=split)
+def _way(engine: Engine, way: str, split: qattn.Split, steps: list | None = None) -> None:
+    """Set the engine's decoding for `way`: a graph way builds its steps with the way's settings (each one also
+    put in `steps`, where given)."""
+    def make(model, cache, heads) -> GraphStep:
+        step = GraphStep(model, cache, heads, fused=way != "graph-unfused", gemv=way == "graph-gemv", split=split)
+        if steps is not None:
+            steps.append(step)
+        return step
 
-
-def _hand_over(engine: Engine, step: GraphStep) -> None:
-    """The engine builds its GraphStep with the defaults and reuses its last one while it is bound to the same
-    cache and heads: hand it `step` as that one. (No public call of the engine takes a step's settings yet.)"""
-    engine._graph = step
+    graph = way.startswith("graph")
+    engine.configure(decoding=Decoding(lean=way != "forward", graph=graph, make_step=make if graph else None))
 
 
 def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
@@ -84,13 +81,9 @@ def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
     return torch.randint(vocab // 8, vocab // 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None, on_token=None,
-            make_step=None) -> tuple[Done, object]:
-    """`tokens` greedy tokens after a 16-token follow-up on a copy of `cache` (through `make_step(copy)` where
-    given); (Done, the copy)."""
+def _decode(engine: Engine, cache, at: int, tokens: int, seed: int, notes=None, on_token=None) -> tuple[Done, object]:
+    """`tokens` greedy tokens after a 16-token follow-up on a copy of `cache`; (Done, the copy)."""
     copy = cache.clone()
-    if make_step is not None:
-        _hand_over(engine, make_step(copy))
     follow = _tokens(engine, 16, seed)
     settings = GenerationSettings(max_new_tokens=tokens, ignore_eos=True)
     return _done(engine.continue_on(copy, follow, at, settings), notes, on_token), copy
@@ -104,8 +97,7 @@ def steady_rate(times: list[float]) -> float | None:
     return (len(times) - 2) / (times[-1] - times[1])
 
 
-def _kernel_ms(engine: Engine, cache, at: int, tokens: int, make_step=None) -> tuple[float | None, str | None,
-                                                                                      float | None]:
+def _kernel_ms(engine: Engine, cache, at: int, tokens: int) -> tuple[float | None, str | None, float | None]:
     """(GPU kernel time per decoded token over `tokens` steps, from the profiler; the TOP kernels by that time;
     kernels launched per token), all None off CUDA. The profiler starts at the second token: the first step on a
     copy of the cache (a graph way's capture, its eager body included) is not counted."""
@@ -122,7 +114,7 @@ def _kernel_ms(engine: Engine, cache, at: int, tokens: int, make_step=None) -> t
             sync(engine.device)
             prof.start()
 
-    _decode(engine, cache, at, tokens + 2, seed=1, on_token=start_at_second, make_step=make_step)
+    _decode(engine, cache, at, tokens + 2, seed=1, on_token=start_at_second)
     sync(engine.device)
     prof.stop()
     events = prof.key_averages()
@@ -162,20 +154,20 @@ def measure(args) -> dict:
         peak = torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else None
         at = args.length + 1
         for way in args.ways.split(","):
-            make_step = _way(engine, way, split)
+            _way(engine, way, split)
             notes = []  # the engine's one line when it decodes eagerly
-            _decode(engine, cache, at, 4, seed=2, notes=notes, make_step=make_step)  # warm-up (a capture, Triton)
+            _decode(engine, cache, at, 4, seed=2, notes=notes)  # warm-up (a capture, Triton)
             times, steps = [], []
-            record = None if make_step is None else lambda c: steps.append(make_step(c)) or steps[-1]
+            _way(engine, way, split, steps)
             done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes,
-                              on_token=lambda: times.append(time.perf_counter()), make_step=record)
+                              on_token=lambda: times.append(time.perf_counter()))
             steady = steady_rate(times)
             step = steps[-1] if steps else None
-            took = step is not None and step.graph is not None and engine.graph_decode
+            took = step is not None and step.graph is not None and not step.reason
             ms_token = 1000 * done.decode_s / max(done.new_tokens - 1, 1)
             rate = steady or 1e3 / ms_token  # tokens/s for the busy shares: the capture left out where it can be
             replay = _replay_ms(engine, step) if took else None
-            kernel, top, launches = _kernel_ms(engine, cache, at, args.profile_tokens, make_step)
+            kernel, top, launches = _kernel_ms(engine, cache, at, args.profile_tokens)
             rows.append({
                 "weights": weights, "way": way if not way.startswith("graph") or took else f"{way} (not taken: {'; '.join(notes) or 'not CUDA'})",
                 "decode_tok_s": round(done.decode_tps, 1), "ms_per_token": round(ms_token, 3),

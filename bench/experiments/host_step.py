@@ -22,7 +22,7 @@ from pathlib import Path
 import localchat  # noqa: F401  (before torch: the app's thread settings)
 import torch
 
-from localchat.engine.engine import Engine
+from localchat.engine.engine import Decoding, Engine
 from localchat.engine.events import Done
 from localchat.engine.graph_step import GraphStep
 from localchat.engine.heads import RetainingHeads
@@ -46,15 +46,8 @@ class HostSide(GraphStep):
         return self.logits
 
 
-def _hand_over(engine: Engine, step: GraphStep) -> None:
-    """The engine builds its GraphStep itself and reuses its last one while it is bound to the same cache and
-    heads: hand it `step` as that one. (No public call of the engine takes a step yet.)"""
-    engine._graph = step
-
-
 def measure(model: str | None, kv: str, length: int, tokens: int, budget: int) -> dict:
     engine = Engine.load(model, weights="fp32" if model is None else None, kv=kv)
-    engine.GRAPH_DEVICES = (engine.device.type,)  # the captured step's host side on this device
     engine.set_policy(make_policy("locret", budget=budget, heads=RetainingHeads.random(engine.model, d_r=1024)),
                       "compact")
     cache = engine.new_cache(length, 2 * tokens)
@@ -64,12 +57,18 @@ def measure(model: str | None, kv: str, length: int, tokens: int, budget: int) -
     _done(engine.continue_on(cache, ids, 0, settings, keep_last=True))
     logits = torch.zeros(engine.model.config.vocab_size, device=engine.device)
     logits[engine.model.config.vocab_size // 2] = 1.0
-    step = HostSide(engine.model, cache, engine.policy.unit_heads(), logits)
-    _hand_over(engine, step)
+    steps = []  # the engine builds the step for this cache: the host side, on this device too
+
+    def make(model, cache, heads) -> HostSide:
+        steps.append(HostSide(model, cache, heads, logits))
+        return steps[-1]
+
+    engine.configure(decoding=Decoding(graph_devices=(engine.device.type,), make_step=make))
     at = length + 1
     _done(engine.continue_on(cache, [5], at, GenerationSettings(max_new_tokens=20, ignore_eos=True)))
     done = _done(engine.continue_on(cache, [5], at + 21, GenerationSettings(max_new_tokens=tokens, ignore_eos=True)))
-    if step.calls < done.new_tokens - 1:
+    step = steps[-1] if steps else None
+    if step is None or step.calls < done.new_tokens - 1:
         raise SystemExit("the engine decoded without the host-side step")
     check_us = 1e6 * timeit.timeit(step.buffers, number=2000) / 2000
     loop_ms = 1000 * done.decode_s / max(done.new_tokens - 1, 1)

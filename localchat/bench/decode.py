@@ -2,7 +2,7 @@
 
 For each `--weights` (fp32, int8, int4 by default) one engine is loaded, and every repeat runs, weights after
 weights: LOCRET (compact positions, `budget`) answering after a `length`-token document (prefill and decode
-tokens/s), the same through transformers' forward at every step (`lean_decode` off: what engine/decode_step.py
+tokens/s), the same through transformers' forward at every step (`Decoding(lean=False)`: what engine/decode_step.py
 saves), and the floor, full attention after a 64-token prompt (a cache that is almost empty: what the weights
 alone cost a step). Each number is the median over the repeats; the single runs are kept in decode.json.
 Speed does not depend on the heads' weights, only on their size: by default the model's shipped heads (what a user
@@ -14,6 +14,8 @@ tokens as LOCRET keeps (the cache size LOCRET decodes over); the ratios compare 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import time
 from dataclasses import dataclass, field
@@ -79,10 +81,11 @@ def measure(config: DecodeConfig, say=lambda s: None) -> dict:
             use_policy(engine, _cell(config, w, "locret", budgets[w], "compact"))
             locret = _row(f"locret b={budgets[w]}, {w}", "locret", "compact", config.length,
                           greedy(engine, ids, config.decode_tokens))
-            engine.lean_decode = False
+            lean = engine.decoding
+            engine.configure(decoding=dataclasses.replace(lean, lean=False))
             stock = _row(f"locret b={budgets[w]} via transformers' forward, {w}", "locret", "compact",
                          config.length, greedy(engine, ids, config.decode_tokens))
-            engine.lean_decode = True
+            engine.configure(decoding=lean)
             use_policy(engine, _cell(config, w, "full", None, "original"))
             floor = _row(f"floor: full after {FLOOR_PROMPT} tokens, {w}", "full", "original", FLOOR_PROMPT,
                          greedy(engine, ids[-FLOOR_PROMPT:], config.decode_tokens))

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import statistics
 import time
@@ -133,7 +135,7 @@ def end_to_end(config: KernelConfig, say):
     for label, kv, fused, kind in modes:
         os.environ["LOCALCHAT_KERNELS"] = kind or "torch"
         kernels.reset_backend()
-        engine.kv, engine.fused_decode = kv, fused
+        engine.configure(kv=kv, decoding=dataclasses.replace(engine.decoding, fused=fused))
         greedy(engine, ids, 4)  # warm-up (and Triton's compile)
         say(f"kernels: decode, {label}")
         done = greedy(engine, ids, config.decode_tokens)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -32,26 +33,43 @@ from localchat.kernels import cpu_decode
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How a decoded token is computed: the engine's one decode setting (the defaults are the fastest path each
+    device has; benchmarks and tests choose others through `Engine.configure(decoding=...)`).
+
+    `lean`: Llama-layout models decode without transformers' forward (engine/decode_step.py); off, the model's
+    forward. `graph`: on the `graph_devices`, the lean step is captured once as a CUDA graph and replayed
+    (engine/graph_step.py). `fused`: a quantized cache is read packed by the split kernel (engine/qattention.py);
+    off, dequantized then SDPA. `make_step(model, cache, heads)`: builds the captured step (None: GraphStep with its
+    defaults; a benchmark passes GraphStep's keywords, fused, gemv, split, this way)."""
+
+    lean: bool = True
+    graph: bool = True
+    fused: bool = True
+    graph_devices: tuple[str, ...] = ("cuda",)
+    make_step: Callable | None = None
+
+
 class Engine:
-    GRAPH_DEVICES = ("cuda",)  # where a decoded token is a captured step (engine/graph_step.py; tests add "cpu")
 
     def __init__(self, model, tokenizer, *, name: str = "model", card: ModelCard | None = None,
                  chunk: int | None = None, policy: Policy | None = None, positions: str | None = None,
-                 kv: str | None = None, weights: str | None = None, admit=None, spec=None):
+                 kv: str | None = None, weights: str | None = None, admit=None, spec=None,
+                 decoding: Decoding | None = None):
         """`policy`: full attention when None. `weights`: the --weights the model was loaded with (None: as stored).
         `admit(engine, prompt units, max new, held units)`: a memory check that raises UserError for what the
         memory cannot hold, before it is read (planning/load.py's). `spec`: the RunSpec the engine was built from,
-        when it was (localchat/config.py)."""
+        when it was (localchat/config.py). `decoding`: how a decoded token is computed (Decoding())."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.card = card
         self.weights = weights
         self.admit = admit
-        self.fused_decode = True  # decode on a quantized cache reads it packed (engine/qattention.py)
-        self.lean_decode = True  # decode Llama-layout models without transformers' forward (engine/decode_step.py)
-        self.graph_decode = True  # on CUDA, a decoded token is one CUDA graph replay (engine/graph_step.py)
+        self.decoding = decoding or Decoding()
         self._graph: GraphStep | None = None  # the last one: a chat's next turn on the same cache replays it
+        self._graph_failed = False  # a capture failed: later answers take the eager ways
         self._said_eager: set[str] = set()  # why CUDA decoding ran eagerly, said once each
         self.device = next(model.parameters()).device
         self.window = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -73,12 +91,12 @@ class Engine:
     def of(cls, loaded: loading.Loaded, *, weights: str | None = None, say=loading._stderr, **settings) -> "Engine":
         """An engine over a loaded model (loading.load's), with the constructor's `settings`."""
         engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, weights=weights, **settings)
-        if engine.device.type == "cpu" and engine.lean_decode:
+        if engine.device.type == "cpu" and engine.decoding.lean:
             cpu_decode.prepare(say)
         return engine
 
     def configure(self, policy: Policy | None = None, *, positions: str | None = None, chunk: int | None = None,
-                  kv: str | None = None, spec=None) -> None:
+                  kv: str | None = None, spec=None, decoding: Decoding | None = None) -> None:
         """What the engine runs with (each None keeps what it has): the one place these change. Positions default
         to the policy's own (compact for policies that evict, original for the others)."""
         kv = kv or self.kv
@@ -93,6 +111,8 @@ class Engine:
         self.kv = kv
         self.chunk = chunk or self.chunk
         self.spec = spec if spec is not None else self.spec
+        if decoding is not None:
+            self.decoding, self._graph, self._graph_failed = decoding, None, False
 
     def set_policy(self, policy: Policy, positions: str | None = None) -> None:
         """Use `policy` (at `positions`, or the policy's default)."""
@@ -185,13 +205,14 @@ class Engine:
     def _stepper(self, cache: KVCache, heads) -> tuple[GraphStep | None, str | None]:
         """On CUDA, the captured decode step for `cache` (the last one when it is bound to the same cache and
         heads), or None and why not: the reason once per engine, None after."""
-        if self.device.type not in self.GRAPH_DEVICES or not (self.lean_decode and self.graph_decode):
+        way = self.decoding
+        if self.device.type not in way.graph_devices or not (way.lean and way.graph) or self._graph_failed:
             return None, None
         why = graph_why_not(self.model, cache, heads)
         if why is None:
             last = self._graph
             if last is None or last.cache is not cache or last.heads is not heads or last.reason:
-                last = self._graph = GraphStep(self.model, cache, heads)
+                last = self._graph = (way.make_step or GraphStep)(self.model, cache, heads)
             return last, None
         if why in self._said_eager:
             return None, None
@@ -263,9 +284,9 @@ class Engine:
             lean, eager = self._stepper(target, p.unit_heads() if attached else None)
             if eager:
                 yield Notice(f"decoding eagerly: {eager}")
-            if lean is None and self.fused_decode:  # a quantized cache is read packed while decoding
+            if lean is None and self.decoding.fused:  # a quantized cache is read packed while decoding
                 fused = FusedDecode(self.model, target)
-            if lean is None and self.lean_decode and lean_supported(self.model, target):
+            if lean is None and self.decoding.lean and lean_supported(self.model, target):
                 lean = DecodeStep(self.model, target, on_qkv=p.qkv_sink() if attached else None)
             pos = first_pos + n
             if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
@@ -301,7 +322,7 @@ class Engine:
             if stop is not None and not stop.hit and stop.held:
                 yield Token(stop.flush(), -1)
             if isinstance(lean, GraphStep) and lean.reason:  # capture failed: later answers take the eager ways
-                self.graph_decode = False
+                self._graph_failed = True
                 yield Notice(f"decoding eagerly: {lean.reason}")
             if target is not cache and answer and keep_last:  # a chat's next turn starts from the cache: feed the answer
                 p.attach(self.model, cache)

@@ -7,7 +7,7 @@ import torch
 
 from localchat.engine import decode_step
 from localchat.engine.decode_step import DecodeStep
-from localchat.engine.engine import Engine
+from localchat.engine.engine import Decoding, Engine
 from localchat.engine.events import Done
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
@@ -78,8 +78,7 @@ def test_the_engine_answers_the_same_with_and_without_it(arch, policy, tok, monk
     for lean in (True, False):
         built = _locret(model) if policy == "locret" else make_policy(policy, **({} if policy == "full" else
                                                                                  {"budget": 48, "local": 8}))
-        engine = Engine(model, tok, chunk=32, policy=built)
-        engine.lean_decode = lean
+        engine = Engine(model, tok, chunk=32, policy=built, decoding=Decoding(lean=lean))
         ids = engine.encode("the quick brown fox jumps over the lazy dog " * 8)
         *_, done = engine.generate(ids, GenerationSettings(max_new_tokens=20, ignore_eos=True))
         assert isinstance(done, Done) and done.new_tokens == 20

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from localchat.engine import graph_step
-from localchat.engine.engine import Engine
+from localchat.engine.engine import Decoding, Engine
 from localchat.engine.events import Done, Notice
 from localchat.engine.graph_step import GraphStep
 from localchat.engine.heads import RetainingHeads
@@ -174,9 +174,7 @@ def test_what_keeps_a_model_from_the_step(tok):
     assert graph_step.why_not(phi, cache, None) == "RoPE on part of each head"
 
 
-class _Cuda:  # an engine that takes its CPU model for a CUDA one, so the captured path runs (eagerly) here
-    def __init__(self, monkeypatch):
-        monkeypatch.setattr(Engine, "GRAPH_DEVICES", ("cuda", "cpu"))
+ON_CPU = Decoding(graph_devices=("cuda", "cpu"))  # the captured path taken on the CPU too (its body runs eagerly)
 
 
 @pytest.mark.parametrize("policy", ["locret", "sirllm", "h2o", "full"])
@@ -193,11 +191,7 @@ def test_the_engine_answers_the_same_through_it(policy, tok, monkeypatch):
     monkeypatch.setattr(GraphStep, "__init__", lambda self, *a, **k: made.append(1) or real_init(self, *a, **k))
     answers, notices = {}, {}
     for graph in (True, False):
-        if graph:
-            _Cuda(monkeypatch)
-        else:
-            monkeypatch.setattr(Engine, "GRAPH_DEVICES", ("cuda",))
-        engine = Engine(model, tok, chunk=32, policy=built())
+        engine = Engine(model, tok, chunk=32, policy=built(), decoding=ON_CPU if graph else Decoding())
         cache, pos, texts, said = None, 0, [], []
         for turn in ("the quick brown fox jumps over the lazy dog " * 8, "and then what happened next?"):
             ids = engine.encode(turn)
@@ -246,8 +240,7 @@ def test_the_engine_keeps_no_finished_cache(tok, monkeypatch):
     import gc
     import weakref
 
-    _Cuda(monkeypatch)
-    engine = Engine(tiny_architecture("llama", len(tok)), tok, chunk=32, policy=make_policy("full"))
+    engine = Engine(tiny_architecture("llama", len(tok)), tok, chunk=32, policy=make_policy("full"), decoding=ON_CPU)
     ids = engine.encode("hello there " * 10)
     cache = engine.new_cache(len(ids), 4)
     *_, done = engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=4, ignore_eos=True))

@@ -256,7 +256,7 @@ def test_fused_decode_gives_the_same_answer_as_dequantize_then_sdpa(tiny_tok, po
     """An engine decoding on an int4 cache through the fused attention (torch twin here; Triton on CUDA)
     picks the same tokens as the dequantize-then-SDPA path."""
     from localchat.engine import qattention
-    from localchat.engine.engine import Engine
+    from localchat.engine.engine import Decoding, Engine
     from localchat.engine.events import Done, Token
     from localchat.engine.policies import make_policy
     from localchat.engine.sampling import GenerationSettings
@@ -268,9 +268,8 @@ def test_fused_decode_gives_the_same_answer_as_dequantize_then_sdpa(tiny_tok, po
 
     def run(fused: bool):
         model = tiny_llama(len(tiny_tok), layers=2, q_heads=4, kv_heads=2, head_dim=16)
-        engine = Engine(model, tiny_tok, name="tiny", chunk=32, kv="int4",
-                        policy=make_policy("streaming", budget=48), positions=positions)
-        engine.fused_decode = fused
+        engine = Engine(model, tiny_tok, name="tiny", chunk=32, kv="int4", positions=positions,
+                        policy=make_policy("streaming", budget=48), decoding=Decoding(fused=fused))
         ids = engine.encode("the quick brown fox jumps over the lazy dog " * 12)
         events = list(engine.generate(ids, GenerationSettings(max_new_tokens=12, ignore_eos=True)))
         assert isinstance(events[-1], Done) and model.config._attn_implementation == "sdpa"  # restored

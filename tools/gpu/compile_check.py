@@ -101,7 +101,7 @@ def drive_engine(recorder: Recorder, model, tok, kv: str, way: str, read: int, b
                  gemv: bool = False) -> None:
     """A LOCRET read with eviction and a few tokens through the captured step's body (eager on a CPU), its split
     kernel's `way`; `gemv`: with GraphStep's `gemv=True` products."""
-    from localchat.engine.engine import Engine
+    from localchat.engine.engine import Decoding, Engine
     from localchat.engine.graph_step import GraphStep
     from localchat.engine.heads import RetainingHeads
     from localchat.engine.policies import make_policy
@@ -110,19 +110,24 @@ def drive_engine(recorder: Recorder, model, tok, kv: str, way: str, read: int, b
 
     heads = RetainingHeads.random(model, d_r=1024).to(torch.bfloat16)
     policy = make_policy("locret", budget=budget, stabilizers=16, local=32, heads=heads)
-    engine = Engine(model, tok, chunk=max(64, budget // 2), policy=policy, kv=kv)
-    Engine.GRAPH_DEVICES = ("cuda", "cpu")  # the captured step's body, run eagerly here
+    steps = []  # the engine builds the step for the cache: with these settings, taken on the CPU too (eagerly)
+
+    def make(model, cache, heads) -> GraphStep:
+        steps.append(GraphStep(model, cache, heads, gemv=gemv, split=qattn.Split(way=way)))
+        return steps[-1]
+
+    engine = Engine(model, tok, chunk=max(64, budget // 2), policy=policy, kv=kv,
+                    decoding=Decoding(graph_devices=("cuda", "cpu"), make_step=make))
     if gemv:
         _record_gemvs(recorder)
     ids = torch.randint(3, len(tok) - 3, (read,), generator=torch.Generator().manual_seed(0)).tolist()
     cache = engine.new_cache(read, 4)
-    # the engine reuses its last step while it is bound to the same cache and heads: this one, with these settings
-    step = engine._graph = GraphStep(model, cache, heads, gemv=gemv, split=qattn.Split(way=way))
     recorder.where = f"engine kv={kv} way={way}" + (" gemv" if gemv else "")
     for event in engine.continue_on(cache, ids, 0, GenerationSettings(max_new_tokens=3, ignore_eos=True)):
         if type(event).__name__ == "Error":
             raise SystemExit(f"error: {event.message}")
-    if step.reason or not step.inputs.any():
+    step = steps[-1] if steps else None
+    if step is None or step.reason or not step.inputs.any():
         raise SystemExit(f"the decode step was not taken ({kv}, {way}): nothing of it was compiled")
 
 
