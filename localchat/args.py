@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from localchat.errors import UserError
+from localchat.engine.policies.catalog import options as policy_options  # every policy's own flags, by flag
+from localchat.engine.precision import check_quant  # the one check of --weights and --kv
 
 # Flags every command shares, with their defaults (`flags(args)` fills those a subcommand left unset).
 SHARED = {"model": None, "chunk": None, "max_new_tokens": 512, "temperature": 0.0, "top_p": 1.0, "seed": 0,
@@ -13,34 +14,10 @@ SHARED = {"model": None, "chunk": None, "max_new_tokens": 512, "temperature": 0.
           "decode_window": None, "heads": None, "profile": None, "weights": None, "kv": None, "debug": False}
 
 
-def policy_options() -> dict[str, object]:
-    """Every policy's own options (`Option`) by flag, for the command line."""
-    from localchat.engine.policies import POLICIES
-
-    out = {}
-    for cls in POLICIES.values():
-        for opt in cls.options.values():
-            out.setdefault(opt.flag, opt)
-    return out
-
-
 def flags(args: argparse.Namespace) -> dict:
     """The parsed command line as a dict, every shared flag present (the one place that reads `args` loosely)."""
     defaults = {**SHARED, **{opt.key: (False if opt.type is bool else None) for opt in policy_options().values()}}
     return {**defaults, **vars(args)}
-
-
-def check_quant(weights: str | None, kv: str | None) -> None:
-    from localchat.engine.qcache import KV_CHOICES, kv_bits
-    from localchat.engine.quantize import WEIGHTS
-
-    if weights is not None and weights not in WEIGHTS:
-        raise UserError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
-    if kv is not None:
-        try:
-            kv_bits(kv)
-        except ValueError:
-            raise UserError(f"unknown --kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}") from None
 
 
 def resolve_spec(args, **kwargs):

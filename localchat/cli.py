@@ -139,7 +139,7 @@ def _check_flags(f: dict) -> None:
         _check_model_config(Path(model).expanduser() / "config.json")
     heads = f.get("heads")
     if heads and heads != "random" and (Path(heads).expanduser() / "heads.json").is_file():
-        from localchat.engine.heads import read_config
+        from localchat.engine.heads_files import read_config
 
         read_config(Path(heads).expanduser())  # a heads.json that is not a JSON object: one line, before planning
 

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localchat.engine.cards import DEFAULT_CHUNK
+from localchat.engine.generation import GenerationSettings
 from localchat.engine.policies import Policy, policy_class
-from localchat.engine.sampling import GenerationSettings
+from localchat.engine.policies.catalog import CATALOG
+from localchat.planning.sources import DEFAULT, Source
 
 if TYPE_CHECKING:
     from localchat.engine.cards import ModelCard
@@ -56,14 +58,16 @@ class PolicySpec:
 
     def has_heads(self) -> bool:
         """Whether the policy reads retaining heads (LOCRET and its kin)."""
-        return "heads" in self.cls.fields()
+        row = CATALOG.get(self.name)
+        return row.heads if row is not None else "heads" in self.cls.fields()  # an unknown name: its one-line error
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a run is set to. `sources` says where each field came from ("command line", "LOCALCHAT_BUDGET",
-    "profile rtx4090 (built-in)", "model card", "plan", "default"); `plan` is the memory plan behind the
-    budget and chunk (None where none was made: an unbounded policy, or a model whose shape was unknown)."""
+    """Everything a run is set to. `sources` says where each field came from (a `Source`: its kind, and the text
+    "command line", "LOCALCHAT_BUDGET", "profile rtx4090 (built-in)", "model card", "plan", "default"); `plan` is the
+    memory plan behind the budget and chunk (None where none was made: an unbounded policy, or a model whose shape
+    was unknown)."""
 
     policy: PolicySpec
     model: str | None = None  # None: the embedded default model
@@ -74,7 +78,7 @@ class RunSpec:
     generation: GenerationSettings = GenerationSettings()
     profile: str | None = None  # the device profile in force
     asked: tuple[tuple[str, Any], ...] = ()  # the policy settings the user gave (flag key, value), for /policy X
-    sources: dict[str, str] = field(default_factory=dict, compare=False)
+    sources: dict[str, Source] = field(default_factory=dict, compare=False)
     plan: Plan | None = field(default=None, compare=False, repr=False)
     card: ModelCard | None = field(default=None, compare=False, repr=False)  # the model's card, looked up once
     heads_dir: Path | str | None = field(default=None, compare=False, repr=False)  # found once by load: a folder, "random"
@@ -94,4 +98,4 @@ class RunSpec:
                   ("heads", p.heads), *p.params, ("weights", self.weights or "device dtype"), ("kv", self.kv),
                   ("margin_mib", self.margin_mib if self.margin_mib is not None else "auto"),
                   ("max_new_tokens", self.generation.max_new_tokens)]
-        return [(k, v, self.sources.get(k, "default")) for k, v in values]
+        return [(k, v, self.sources.get(k, DEFAULT)) for k, v in values]

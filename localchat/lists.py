@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from localchat.ask import open_store
+import sys
+
+from localchat.engine.policies.catalog import CATALOG
 from localchat.errors import EXIT_OK, UserError
 
 
 def run_policies() -> int:
-    from localchat.engine.policies import POLICIES
-
-    width = max(map(len, POLICIES))
-    for name, cls in POLICIES.items():
-        print(f"{name:<{width}}  {cls.summary}")
+    width = max(map(len, CATALOG))
+    for name, row in CATALOG.items():
+        print(f"{name:<{width}}  {row.summary}")
     return EXIT_OK
+
+
+def open_store():
+    """The chats store, its notices said as `ask` says them (localchat/ask.py imports the engine; this does not)."""
+    from localchat.store import Store
+
+    store = Store()
+    for line in store.notices:
+        print(f"localchat: {line}", file=sys.stderr, flush=True)
+    return store
 
 
 def printable(text: str) -> str:
@@ -21,7 +31,6 @@ def printable(text: str) -> str:
 
 
 def run_sessions(args) -> int:
-    from localchat.engine.policies import POLICIES
     from localchat.store import NAME_MAX
 
     if args.delete is not None and not args.delete.strip():
@@ -49,7 +58,7 @@ def run_sessions(args) -> int:
     rows = [("name", "title", "model", "policy", "turns", "tokens", "kept", "last used")]
     for c in chats:
         budget = store.settings(c.name).get("budget")
-        takes_budget = c.policy in POLICIES and POLICIES[c.policy].uses_budget()
+        takes_budget = c.policy in CATALOG and CATALOG[c.policy].uses_budget()
         policy = f"{c.policy} b={budget}" if budget and takes_budget else c.policy
         name = c.name if len(c.name) <= NAME_MAX else c.name[:NAME_MAX - 1] + "…"  # one saved before names were bounded
         rows.append((printable(name), printable(c.title[:40]), printable(c.model), policy, str(c.turns), f"{c.tokens:,}",

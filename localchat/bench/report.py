@@ -56,7 +56,7 @@ def _default_positions(policy: str) -> str | None:
     from localchat.engine.policies import POLICIES
 
     cls = POLICIES.get(policy)  # a policy that keeps every unit has the same positions either way: None
-    return cls.default_positions if cls is not None and cls.evicts else None
+    return cls.positions_default() if cls is not None and cls.evicts else None
 
 
 def _ordered(values: Iterable) -> list:

@@ -159,14 +159,13 @@ def plan(config: BenchConfig) -> list[Cell]:
         for length in config.lengths:
             for policy in config.policies:
                 cls = POLICIES[policy]
-                evicts = cls.evicts
                 for budget, turns, weights, kv in itertools.product(
                         config.budgets if cls.uses_budget() else [None],
                         (config.turns or [None]) if task == "multiturn" else [None], config.weights, config.kv):
                     cells.append(Cell(
                         task=task, length=length, policy=policy, budget=budget, n=config.n, seed=config.seed,
                         model_spec=config.model, heads=config.heads if "heads" in cls.fields() else None, chunk=chunk,
-                        positions=config.positions or (cls.default_positions if evicts else "original"),
+                        positions=config.positions or cls.positions_default(),
                         max_new_tokens=config.answer_tokens or ANSWER_TOKENS[task], turns=turns,
                         weights=weights, kv=kv,
                         sparse_prefill=config.sparse_prefill if "prefill_ratio" in cls.options else None,

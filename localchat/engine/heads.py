@@ -16,23 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from localchat.engine import weights_check
-
-WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
-
-
-def read_config(directory: Path) -> dict:
-    """The heads' config (heads.json) as a dict; a missing, unreadable or non-object file is one UserError line."""
-    from localchat.errors import UserError
-
-    try:
-        config = json.loads((Path(directory) / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read retaining heads in {directory}: {(str(exc).splitlines() or [''])[0][:160]}") \
-            from None
-    if not isinstance(config, dict):
-        raise UserError(f"{Path(directory) / CONFIG} is not a heads config (a JSON object with shape and d_r); "
-                        f"train or import the heads again")
-    return config
+from localchat.engine.heads_files import CONFIG, WEIGHTS, read_config
 
 
 def attention_modules(model) -> list[nn.Module]:

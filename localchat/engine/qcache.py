@@ -27,22 +27,12 @@ from __future__ import annotations
 import torch
 
 from localchat.engine.cache import KVCache, KVLayer
+from localchat.engine.precision import KV_BITS, KV_CHOICES, kv_bits  # noqa: F401 - the --kv values
 from localchat.engine.rope import rope_table, rotate
 from localchat.kernels.quant import GROUP, SCALE_DTYPE, dequantize, group_size, pack, quantize, unpack  # noqa: F401
 
-KV_BITS = {"int8": 8, "int4": 4, "int2": 2}
-KV_CHOICES = ("none", *KV_BITS)
 RESIDUAL = 128  # without an eviction, the tail is quantized once it holds this many units
 QUANT_KEYS = ("qk", "ks", "kz", "qv", "vs", "vz")  # tensors() names of the quantized part
-
-
-def kv_bits(kv: str | None) -> int:
-    """Bits of a `--kv` value; 0 for none (full precision). Raises ValueError for an unknown value."""
-    if kv in (None, "none", "fp32", "bf16", "fp16"):  # profiles name the full-precision cache by its dtype
-        return 0
-    if kv not in KV_BITS:
-        raise ValueError(f"unknown KV cache type {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
-    return KV_BITS[kv]
 
 
 class QuantizedKVLayer(KVLayer):

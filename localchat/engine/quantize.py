@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import torch
 
+from localchat.engine.precision import WEIGHTS, check_quant  # noqa: F401 - WEIGHTS: the --weights values
 from localchat.errors import UserError
 
-WEIGHTS = ("fp32", "bf16", "fp16", "int8", "int4", "nf4")
 FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KEEP = ["lm_head"]  # linear layers left unquantized (embeddings are not linear layers)
 
 
 def check(weights: str | None, device: torch.device) -> None:
     """A UserError naming the problem for an unknown value or nf4 without CUDA."""
-    if weights is None:
-        return
-    if weights not in WEIGHTS:
-        raise UserError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+    check_quant(weights, None)
     if weights == "nf4" and device.type != "cuda":
         raise UserError("--weights nf4 needs a CUDA GPU (bitsandbytes); on this CPU use --weights int4 or int8")
 

@@ -19,15 +19,17 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from localchat import paths
 from localchat.engine import weights_check
 from localchat.engine.cards import ModelCard
-from localchat.engine.heads import CONFIG, WEIGHTS, check_official, read_official, save_heads
+from localchat.engine.heads_files import CONFIG, WEIGHTS
 from localchat.errors import UserError
 from localchat.filelock import Locked
-from localchat.planning import hub
-from localchat.planning.hub import Broken, Offline, Remote
+
+if TYPE_CHECKING:  # the hub client is imported where a release is fetched: finding cached heads needs none of it
+    from localchat.planning.hub import Remote
 
 Say = Callable[[str], None]
 
@@ -105,6 +107,9 @@ def fetch_heads(card: ModelCard, *, say: Say = _stderr, endpoint: str | None = N
     `endpoint` (default HF_ENDPOINT), `token` (default the saved hub token) and `revision` (default the card's
     commit; when given, the hub is asked which commit it names) go to huggingface_hub. One-line UserError when
     there is no release, the hub is out of reach, the download is damaged, or the release does not fit the card."""
+    from localchat.planning import hub
+    from localchat.planning.hub import Broken, Offline, Remote
+
     out = heads_cache_dir(card)
     if revision is None and cached_heads(card):
         return out
@@ -164,6 +169,9 @@ def _locate(remote: Remote) -> tuple[Remote, Expected, Path | None]:
     """(the file pinned to the commit the hub names, the sha256 it must have, the file when only the Hugging
     Face cache can serve it). Offline, a copy that cache holds at the pinned commit serves, checked against the
     sha256 its cache entry is named by."""
+    from localchat.planning import hub
+    from localchat.planning.hub import Offline
+
     try:
         if hub.offline_mode():
             raise Offline("HF_HUB_OFFLINE is set")
@@ -181,6 +189,8 @@ def _locate(remote: Remote) -> tuple[Remote, Expected, Path | None]:
 
 def _install(path: Path, card: ModelCard, release: Release, source: dict, out: Path) -> None:
     """Read the checked file, check every shape against the card, and convert it into `out` atomically."""
+    from localchat.engine.heads import check_official, read_official, save_heads
+
     found = read_official(path)
     shape = card_head_shape(card)
     d_r = check_official(found, shape, f"{release.repo}/{release.file}", release.d_r)

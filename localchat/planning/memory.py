@@ -33,6 +33,13 @@ MIB = 1024**2
 # Bits per element for each dtype name a profile may use.
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "nf4": 4, "int4": 4, "int2": 2}
 QUANT_GROUP = 64  # elements per scale for the quantized dtypes
+# The engine's cache layout as this model counts it, read without torch (tests/planning/test_light.py checks them
+# against kernels/quant.py's GROUP, engine/cache.py's REST_BYTES, engine/qcache.py's RESIDUAL, kernels/qattn.py's
+# BLOCK_UNITS)
+KV_GROUP = 64  # head_dim elements per scale and zero of a quantized unit (fewer when head_dim is smaller)
+REST_BYTES = 1  # bytes of key remainder per key element, compact positions in bf16/fp16
+RESIDUAL = 128  # a quantized cache's tail quantized once it holds this many units
+BLOCK_UNITS = 1024  # units a quantized layer dequantizes at a time
 
 
 def dtype_name(dtype) -> str:
@@ -127,22 +134,39 @@ def gpu_cap(env: dict | None = None) -> int | None:
     return int(gb * GIB)
 
 
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")  # CUDA, ROCm, WSL
+
+
+def may_have_gpu() -> bool:
+    """False only where no GPU driver shows (Linux without its device files): torch, seconds to import, then
+    need not be asked. Elsewhere, or once torch is imported, torch answers."""
+    if "torch" in sys.modules or sys.platform != "linux":
+        return True
+    return any(os.path.exists(path) for path in GPU_DRIVER_FILES)
+
+
 def detect(device: str | None = None) -> Device:
     """The device the engine would use: the first CUDA GPU, else this CPU's RAM. Under `LOCALCHAT_GPU_MEMORY_GB`
     the GPU's allocator is capped there (torch's per-process fraction) and the plan sees the capped card."""
-    import torch
+    if device != "cpu" and may_have_gpu():
+        import torch
 
-    if device != "cpu" and torch.cuda.is_available():
-        index = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
-        free, total = torch.cuda.mem_get_info(index)
-        cap = gpu_cap()
-        if cap is not None and cap < total:
-            torch.cuda.set_per_process_memory_fraction(cap / total, index)
-            free, total = min(free, cap - torch.cuda.memory_reserved(index)), cap
-        return Device("cuda", props.name, total, free, f"{props.major}.{props.minor}", _cuda_driver())
+        if torch.cuda.is_available():
+            return _cuda_device(torch)
     total, available = cpu_memory()
     return Device("cpu", cpu_model() or platform.machine(), total, available)
+
+
+def _cuda_device(torch) -> Device:
+    """The first CUDA GPU (capped by LOCALCHAT_GPU_MEMORY_GB)."""
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    cap = gpu_cap()
+    if cap is not None and cap < total:
+        torch.cuda.set_per_process_memory_fraction(cap / total, index)
+        free, total = min(free, cap - torch.cuda.memory_reserved(index)), cap
+    return Device("cuda", props.name, total, free, f"{props.major}.{props.minor}", _cuda_driver())
 
 
 # --- the model's shape ------------------------------------------------------------------------------
@@ -247,18 +271,22 @@ def kv_unit_bytes(shape: Shape, kv: str = "bf16", compact: bool = False) -> int:
     key's int8 remainder that keeps re-rotated keys exact (engine/cache.py)."""
     d = shape.head_dim
     if quantized(kv):
-        from localchat.kernels.quant import group_size
-
         per_head = 2 * d * dtype_bits(kv) // 8 + 4 * (d // group_size(d)) * 2 + 4 + 8
     else:
         per_head = 2 * d * elem_bytes(kv) + 4 + 8 + _rest_bytes(shape, kv, compact)
     return int(round(shape.layers * shape.kv_heads * per_head))
 
 
+def group_size(head_dim: int) -> int:
+    """head_dim elements per scale and zero of a quantized unit (kernels/quant.py's rule)."""
+    g = min(KV_GROUP, head_dim)
+    while head_dim % g:
+        g //= 2
+    return g
+
+
 def _rest_bytes(shape: Shape, kv: str, compact: bool) -> int:
     """The int8 key remainder per unit and KV head of a plain cache in compact bf16/fp16 (engine/cache.py)."""
-    from localchat.engine.cache import REST_BYTES
-
     return shape.head_dim * REST_BYTES if compact and kv in ("bf16", "fp16") else 0
 
 
@@ -266,8 +294,6 @@ def kv_tail_bytes(shape: Shape, kv: str, act: str, chunk: int) -> int:
     """A quantized cache's full-precision tail (chunk + RESIDUAL units per layer, at `act`); 0 for a plain one."""
     if not quantized(kv):
         return 0
-    from localchat.engine.qcache import RESIDUAL
-
     return int((chunk + RESIDUAL) * shape.layers * shape.kv_heads * 2 * shape.head_dim * elem_bytes(act))
 
 
@@ -288,8 +314,6 @@ def kv_copy_bytes(shape: Shape, kv: str, act: str, kv_len: int) -> int:
     dequantizing one block (codes unpacked, fp32 math, the rotation); 0 for a plain cache."""
     if not quantized(kv):
         return 0
-    from localchat.kernels.qattn import BLOCK_UNITS
-
     per_unit = shape.kv_heads * shape.head_dim
     return int(2 * kv_len * per_unit * elem_bytes(act) + BLOCK_UNITS * per_unit * 40)
 

@@ -18,6 +18,8 @@ loaded engine, reads the real peak, and shrinks the chunk (then the budget) whil
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field, replace
 
 from localchat.errors import UserError
@@ -49,11 +51,26 @@ DECODE_SPEED = {"AVX512": {"fp32": 1.0, "int8": 3.47, "int4": 4.08},
 SLOW = 0.5  # quantized weights under this share of full precision's decode speed rank after every other choice
 
 
-def cpu_class() -> str:
-    """This CPU's vector unit as torch's kernels use it: "AVX512", "AVX2", or "DEFAULT" (others)."""
-    import torch
+CPU_FLAGS = {"AVX512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}, "AVX2": {"avx2", "fma"}}
 
-    return torch.backends.cpu.get_cpu_capability()
+
+def cpu_class() -> str:
+    """This CPU's vector unit as torch's kernels use it: "AVX512", "AVX2", or "DEFAULT" (others). On Linux read
+    from /proc/cpuinfo's flags as torch's dispatch reads them (a plan imports no torch), capped by
+    ATEN_CPU_CAPABILITY as torch caps it; elsewhere, or once torch is imported, torch says."""
+    if "torch" in sys.modules or sys.platform != "linux":
+        import torch
+
+        return torch.backends.cpu.get_cpu_capability()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    found = next((name for name, need in CPU_FLAGS.items() if need <= flags), "DEFAULT")
+    order = [*CPU_FLAGS, "DEFAULT"]
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").upper()
+    return cap if cap in order and order.index(cap) > order.index(found) else found
 
 
 def decode_speed(kind: str) -> dict[str, float]:

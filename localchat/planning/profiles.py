@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from localchat import paths
+from localchat.engine.policies.catalog import CATALOG
 from localchat.errors import UserError
+from localchat.planning.sources import FLAG, Kind, Source
 from localchat.toml import toml
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4", "int4")
@@ -25,18 +27,14 @@ POSITIONS = ("compact", "original")
 
 
 def _policies() -> tuple[str, ...]:
-    from localchat.engine.policies import POLICIES
-
-    return tuple(POLICIES)
+    return tuple(CATALOG)
 
 
 def policy_options() -> dict[str, tuple[str, Any]]:
     """Each policy's own settings (Policy.options) as a profile names them: key -> (kind, lower bound). The policy
     checks the values further (LOCRET: n_s below the budget)."""
-    from localchat.engine.policies import POLICIES
-
     kinds = {int: ("int", 0), float: ("float", 0.0), bool: ("bool", None)}
-    return {o.key: kinds[o.type] for cls in POLICIES.values() for o in cls.options.values()}
+    return {o.key: kinds[o.type] for row in CATALOG.values() for o in row.options.values()}
 
 
 # Settings a profile may hold: key -> (kind, lower bound or choices). These reach the engine.
@@ -128,18 +126,18 @@ def problems(table: dict, where: str) -> list[str]:
 
 def _policy_problem(table: dict) -> str | None:
     """What the profile's policy (or, without one, the policy whose options it sets) says of its settings."""
-    from localchat.engine.policies import POLICIES, make_policy
+    from localchat.engine.policies import make_policy
 
-    def fields(cls) -> dict[str, str]:  # profile key -> the policy's field
-        return {o.key: f for f, o in cls.options.items()}
+    def fields(row) -> dict[str, str]:  # profile key -> the policy's field
+        return {o.key: f for f, o in row.options.items()}
 
     keys = {k: v for k, v in table.items() if k in ("budget", "local")}
-    own = {k: v for k, v in table.items() if any(k in fields(c) for c in POLICIES.values())}
-    name = table.get("policy") or next((n for n, c in POLICIES.items() if own and set(own) <= set(fields(c))), None)
-    if name is None or (own and not set(own) <= set(fields(POLICIES[name]))):
+    own = {k: v for k, v in table.items() if any(k in fields(r) for r in CATALOG.values())}
+    name = table.get("policy") or next((n for n, r in CATALOG.items() if own and set(own) <= set(fields(r))), None)
+    if name is None or (own and not set(own) <= set(fields(CATALOG[name]))):
         return None  # an option the named policy does not take is refused when the profile is used
     try:
-        make_policy(name, **keys, **{fields(POLICIES[name])[k]: v for k, v in own.items()})
+        make_policy(name, **keys, **{fields(CATALOG[name])[k]: v for k, v in own.items()})
     except UserError as exc:
         return str(exc)
     return None
@@ -267,26 +265,27 @@ def _from_env(key: str, raw: str) -> Any:
 @dataclass
 class Resolved:
     values: dict[str, Any]  # settings that are set (the rest are auto-detected)
-    sources: dict[str, str]
+    sources: dict[str, Source]
     profile: Profile | None
-    profile_source: str
+    profile_source: Source
     warnings: list[str] = field(default_factory=list)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)
 
 
-def choose_profile(cli_name: str | None, env: dict, config: dict) -> tuple[Profile | None, str]:
+def choose_profile(cli_name: str | None, env: dict, config: dict) -> tuple[Profile | None, Source]:
     """The profile in force and why: --profile, LOCALCHAT_PROFILE, default_profile, or none."""
-    for name, why in ((cli_name, "--profile"), (env.get("LOCALCHAT_PROFILE"), "LOCALCHAT_PROFILE"),
-                      (config.get("default_profile"), f"default_profile in {config_path()}")):
+    for name, why in ((cli_name, Source(Kind.FLAG, "--profile")),
+                      (env.get("LOCALCHAT_PROFILE"), Source(Kind.ENV, "LOCALCHAT_PROFILE")),
+                      (config.get("default_profile"), Source(Kind.CONFIG, f"default_profile in {config_path()}"))):
         if name is not None and not isinstance(name, str):
             raise UserError(f"{why} must be a profile name in quotes (got {name!r}); see `localchat profile list`")
         if name:
             if name.lower() == "none":
                 return None, why
             return find(name, config), why
-    return None, "no profile"
+    return None, Source(Kind.DEFAULT, "no profile")
 
 
 def resolve(cli: dict[str, Any], profile_name: str | None = None, env: dict | None = None,
@@ -305,13 +304,13 @@ def resolve(cli: dict[str, Any], profile_name: str | None = None, env: dict | No
     values, sources = {}, {}
     for key in SETTINGS:
         if cli.get(key) is not None:
-            values[key], sources[key] = cli[key], "command line"
+            values[key], sources[key] = cli[key], FLAG
         elif saved.get(key) is not None:
-            values[key], sources[key] = saved[key], saved_label
+            values[key], sources[key] = saved[key], Source(Kind.SAVED_CHAT, saved_label)
         elif env.get(env_name(key)):
-            values[key], sources[key] = _from_env(key, env[env_name(key)]), env_name(key)
+            values[key], sources[key] = _from_env(key, env[env_name(key)]), Source(Kind.ENV, env_name(key))
         elif profile is not None and key in profile.values:
-            values[key], sources[key] = profile.values[key], profile.label
+            values[key], sources[key] = profile.values[key], Source(Kind.PROFILE, profile.label)
     r = Resolved(values, sources, profile, why)
     if profile is not None and device is not None:
         mismatch = device_mismatch(profile, device)

@@ -18,13 +18,15 @@ from typing import Any
 
 from localchat.config import PolicySpec, RunSpec
 from localchat.engine.cards import DEFAULT_CHUNK, ModelCard, default_card, find_card
-from localchat.engine.heads import WEIGHTS as HEADS_FILE
-from localchat.engine.policies import DEFAULT_POLICY, NO_HEADS_POLICY, PLAIN_POLICY, POLICIES, policy_class
-from localchat.engine.sampling import GenerationSettings
+from localchat.engine.generation import GenerationSettings
+from localchat.engine.heads_files import WEIGHTS as HEADS_FILE
+from localchat.engine.policies import DEFAULT_POLICY, NO_HEADS_POLICY, PLAIN_POLICY, policy_class
+from localchat.engine.policies.catalog import CATALOG, option_owners
 from localchat.errors import UserError
 from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, Shape, detect, read_config
 from localchat.planning.planner import DEFAULT_MARGIN, DEFAULT_TARGET, LONG_DOC, Plan, Request, decode_speed, make_plan
+from localchat.planning.sources import DEFAULT, FLAG, Kind, Source, kind_of
 
 RANDOM_HEADS_D_R = 1024  # RetainingHeads.random's d_R (the paper's)
 POLICY_FIELDS = ("budget", "local", "decode_window", "heads")  # every policy's, besides its own options
@@ -45,7 +47,7 @@ class Target:
 
 def option_keys() -> dict[str, tuple[str, str]]:
     """Flag key (`stabilizers`, `sparse_prefill`) -> (policy field, flag) over every policy's options."""
-    return {opt.key: (name, opt.flag) for cls in POLICIES.values() for name, opt in cls.options.items()}
+    return {opt.key: (name, opt.flag) for row in CATALOG.values() for name, opt in row.options.items()}
 
 
 # --- the model's facts without its weights --------------------------------------------------------------------
@@ -143,31 +145,31 @@ def check_architecture(spec: str | None) -> None:
 # --- the policy ------------------------------------------------------------------------------------------------
 
 
-def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, str], card: ModelCard | None,
-                kind: str) -> tuple[PolicySpec, dict[str, str]]:
+def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, Source], card: ModelCard | None,
+                kind: str) -> tuple[PolicySpec, dict[str, Source]]:
     """The policy's settings: `given` (flag key -> value, each from `given_from[key]`) > model card > policy
     default. Checks that every given option belongs to the policy and that it validates its own settings."""
-    sources: dict[str, str] = {}
+    sources: dict[str, Source] = {}
     options = option_keys()
     heads = given.get("heads")
     if name is None:
         release = card is not None and bool(card.heads_release)  # official heads, fetched at first load
         name = DEFAULT_POLICY if heads or shipped_heads_dir(card) or release else PLAIN_POLICY
-        sources["policy"] = ("default (heads ship for the model)" if shipped_heads_dir(card) or heads else
-                             "default (official heads for the model, fetched at first load)" if release else "default")
+        sources["policy"] = Source.default("heads ship for the model" if shipped_heads_dir(card) or heads else
+                                           "official heads for the model, fetched at first load" if release else None)
     else:
-        sources["policy"] = given_from.get("policy", "command line")
+        sources["policy"] = given_from.get("policy", FLAG)
     cls = policy_class(name)
     for key, (field_name, flag) in options.items():
         if given.get(key) not in (None, False) and field_name not in cls.options:
-            owners = [n for n, c in POLICIES.items() if field_name in c.options]
+            owners = option_owners(field_name)
             raise UserError(f"{flag} applies to --policy {' or '.join(owners)}, not to {name}; drop {flag} or add "
                             f"--policy {owners[0]}")
         if given.get(key) not in (None, False) and cls.options[field_name].cuda_only and kind != "cuda":
             raise UserError(f"{flag} is for a CUDA GPU and this runs on the CPU; drop {flag}, or plan it for a GPU "
                             f"with --device cuda --memory-gb N")
     if heads and "heads" not in cls.fields():
-        owners = [n for n, c in POLICIES.items() if "heads" in c.fields()]
+        owners = [n for n, row in CATALOG.items() if row.heads]
         raise UserError(f"--heads applies to --policy {' or '.join(owners)}, not to {name}; drop --heads")
     locret = (card.locret if card else {}) or {}
     values: dict[str, Any] = {}
@@ -175,20 +177,20 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, s
     for field_name in cls.fields():
         key = next((k for k, (f, _) in options.items() if f == field_name and f in cls.options), field_name)
         if given.get(key) is not None and not (field_name in cls.options and given[key] is False):
-            values[field_name], sources[field_name] = given[key], given_from.get(key, "command line")
+            values[field_name], sources[field_name] = given[key], given_from.get(key, FLAG)
             given_keys.add(field_name)
         elif field_name in locret and field_name != "positions":
-            values[field_name], sources[field_name] = locret[field_name], "model card"
+            values[field_name], sources[field_name] = locret[field_name], Source(Kind.CARD)
     defaults = cls()
     before = {**{f: getattr(defaults, f) for f in cls.options}, **values}
     values = cls.settle(before, given_keys)
     for field_name, value in values.items():
         if value != before[field_name]:
-            sources[field_name] = f"{sources.get(field_name, 'policy default')}, lowered to fit the budget"
+            sources[field_name] = sources.get(field_name, Source(Kind.POLICY_DEFAULT)).noted("lowered to fit the budget")
     if "positions" in given:
-        positions, sources["positions"] = given["positions"], given_from.get("positions", "command line")
+        positions, sources["positions"] = given["positions"], given_from.get("positions", FLAG)
     else:
-        positions, sources["positions"] = (cls.default_positions if cls.evicts else "original"), "policy default"
+        positions, sources["positions"] = cls.positions_default(), Source(Kind.POLICY_DEFAULT)
     settings = {k: v for k, v in values.items() if k != "heads"}
     cls(**settings)  # the policy validates its own settings (UserError)
     params = tuple((f, values.get(f, getattr(defaults, f))) for f in cls.options)
@@ -229,7 +231,7 @@ def check_heads(spec: PolicySpec, card: ModelCard | None, name: str) -> None:
 
 
 def _from_card(spec: RunSpec, key: str) -> bool:
-    return str(spec.sources.get(key, "")).startswith("model card")
+    return kind_of(spec.sources.get(key)) is Kind.CARD
 
 
 def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set[str] = frozenset(),
@@ -289,7 +291,7 @@ def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
     for key in ("weights", "kv"):
         if key not in fixed and key in plan.chosen:
             precision[key] = getattr(plan, key)
-            sources[key] = f"plan: {plan.precision[0]}" if plan.precision else "plan"
+            sources[key] = Source.plan(plan.precision[0] if plan.precision else None)
     lowered = [(k, old, new) for k, old, new in (("budget", p.budget, plan.budget), ("chunk", spec.chunk, plan.chunk))
                if k not in fixed and old is not None and new < old and _from_card(spec, k)]
     if lowered and say is not None:
@@ -297,12 +299,12 @@ def apply_plan(spec: RunSpec, plan: Plan, fixed: set[str], say=None) -> RunSpec:
             f"(asked {spec.chunk:,}) to fit {fits}")
     chunk = spec.chunk
     if "chunk" not in fixed and plan.chunk != chunk:
-        sources["chunk"] = (f"plan: lowered from the model card's {chunk:,} to fit {fits}" if _from_card(spec, "chunk")
-                            else f"plan: the largest that fits {fits}")
+        sources["chunk"] = Source.plan(f"lowered from the model card's {chunk:,} to fit {fits}"
+                                       if _from_card(spec, "chunk") else f"the largest that fits {fits}")
         chunk = plan.chunk
     if "budget" not in fixed and cls.uses_budget() and plan.budget != p.budget:
-        sources["budget"] = (f"plan: lowered from the model card's {p.budget:,} to fit {fits}"
-                             if _from_card(spec, "budget") else f"plan: the largest that fits {fits}")
+        sources["budget"] = Source.plan(f"lowered from the model card's {p.budget:,} to fit {fits}"
+                                        if _from_card(spec, "budget") else f"the largest that fits {fits}")
         params = settled_params(spec, plan.budget)
         p = replace(p, budget=plan.budget, params=tuple(params.items()))
     return replace(spec, policy=p, chunk=chunk, sources=sources, plan=plan, **precision)
@@ -332,9 +334,9 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
     given, given_from = dict(r.values), dict(r.sources)
     for key in (*POLICY_FIELDS, *option_keys()):
         if key not in given and flags.get(key) not in (None, False):
-            given[key], given_from[key] = flags[key], "command line"
+            given[key], given_from[key] = flags[key], FLAG
         elif key not in given and saved.get(key) not in (None, False):
-            given[key], given_from[key] = saved[key], saved_label
+            given[key], given_from[key] = saved[key], Source(Kind.SAVED_CHAT, saved_label)
     model = given.get("model")
     check_architecture(model)
     card = card_for(model)
@@ -344,9 +346,9 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
     if given.get("chunk") is not None:
         chunk, sources["chunk"] = given["chunk"], given_from["chunk"]
     elif locret.get("chunk"):
-        chunk, sources["chunk"] = int(locret["chunk"]), "model card"
+        chunk, sources["chunk"] = int(locret["chunk"]), Source(Kind.CARD)
     else:
-        chunk, sources["chunk"] = DEFAULT_CHUNK, "default"
+        chunk, sources["chunk"] = DEFAULT_CHUNK, DEFAULT
     for key in ("model", "weights", "kv", "margin_mib"):
         if key in given:
             sources[key] = given_from[key]
@@ -437,14 +439,14 @@ def complete(spec: RunSpec, target: Target | None = None, *, quiet: bool = False
 
 def is_default(spec: RunSpec, key: str) -> bool:
     """Whether `key` was left to its default (no flag, chat, environment, profile or card set it)."""
-    return str(spec.sources.get(key, "default")).startswith("default")
+    return kind_of(spec.sources.get(key)) is Kind.DEFAULT
 
 
 def no_heads_spec(spec: RunSpec, card: ModelCard | None, kind: str) -> RunSpec:
     """`spec` turned from the default full attention to NO_HEADS_POLICY, for a document full attention cannot hold
     (unplanned: the caller plans it for the memory it has)."""
     bounded = with_policy(spec, card, kind, NO_HEADS_POLICY)
-    return replace(bounded, sources={**bounded.sources, "policy": "default (no trained heads, long document)"})
+    return replace(bounded, sources={**bounded.sources, "policy": Source.default("no trained heads, long document")})
 
 
 def plan_spec(spec: RunSpec, shape: Shape, card: ModelCard | None, target: Target, *, fixed: set[str],
@@ -459,12 +461,10 @@ def plan_spec(spec: RunSpec, shape: Shape, card: ModelCard | None, target: Targe
 
 def fixed_fields(spec: RunSpec) -> set[str]:
     """The plan's fields the user fixed (a flag, the environment or a profile), which a plan must keep."""
-    fixed = {k for k in ("weights", "kv") if k in spec.sources and not str(spec.sources[k]).startswith("plan")}
-    if spec.sources.get("budget") not in (None, "model card", "policy default", "default") and \
-            not str(spec.sources.get("budget", "")).startswith("plan"):
+    fixed = {k for k in ("weights", "kv") if k in spec.sources and kind_of(spec.sources[k]) is not Kind.PLAN}
+    if kind_of(spec.sources.get("budget")) not in (Kind.CARD, Kind.POLICY_DEFAULT, Kind.DEFAULT, Kind.PLAN):
         fixed.add("budget")
-    if spec.sources.get("chunk") not in (None, "model card", "default") and \
-            not str(spec.sources.get("chunk", "")).startswith("plan"):
+    if kind_of(spec.sources.get("chunk")) not in (Kind.CARD, Kind.DEFAULT, Kind.PLAN):
         fixed.add("chunk")
     return fixed
 
@@ -475,8 +475,8 @@ def with_policy(spec: RunSpec, card: ModelCard | None, kind: str, name: str | No
     positions ...), resolved as at start-up from what the user asked plus `changes` (the chat window's /policy,
     /budget and /profile). The plan is dropped: a budget the user now names is taken as given."""
     asked = {**dict(spec.asked), **{k: v for k, v in changes.items() if v is not None}}
-    given_from = {k: spec.sources.get(f"asked.{k}", "command line") for k in asked}
-    given_from.update({k: "chat window" for k, v in changes.items() if v is not None})
+    given_from = {k: spec.sources.get(f"asked.{k}", FLAG) for k in asked}
+    given_from.update({k: Source(Kind.WINDOW) for k, v in changes.items() if v is not None})
     if name is not None:
         asked.pop("policy", None)
     name = name or spec.policy.name
@@ -488,6 +488,6 @@ def with_policy(spec: RunSpec, card: ModelCard | None, kind: str, name: str | No
     policy, sources = policy_spec(name, {k: v for k, v in asked.items() if k not in others or k in changes},
                                   given_from, card, kind)
     if name is not None:
-        sources["policy"] = "chat window"
+        sources["policy"] = Source(Kind.WINDOW)
     return replace(spec, policy=policy, sources={**spec.sources, **sources}, plan=None,
                    asked=tuple(asked.items()))

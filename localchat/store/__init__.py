@@ -20,16 +20,19 @@ import re
 import sqlite3
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from localchat.store.chat_lock import ChatLock
 from localchat.errors import UserError
 from localchat.paths import collect_partial, data_dir
-from localchat.session import Session
 from localchat.store import journal, rows, upgrades
 from localchat.store.cache_files import ORPHAN_GRACE, CacheFiles, fingerprint, settings_of
 from localchat.store.private import check_rooms, open_private, open_warning
 from localchat.store.rows import NAME_MAX, ChatInfo, check_name, shown
 from localchat.store.upgrades import MIGRATIONS, SCHEMA
+
+if TYPE_CHECKING:  # imported where a chat is loaded: listing the saved chats imports no session (nor torch)
+    from localchat.session import Session
 
 __all__ = ["Store", "SaveIncomplete", "ChatInfo", "NAME_MAX", "check_name", "shown", "damaged", "fingerprint",
            "settings_of", "MIGRATIONS", "SCHEMA", "ORPHAN_GRACE"]
@@ -127,6 +130,8 @@ class Store:
 
     def load(self, name: str, engine) -> tuple[Session, list[str]]:
         """The saved chat over `engine`, and notices (e.g. why its cache will be re-read)."""
+        from localchat.session import Session
+
         saved = rows.read(self.db, name, self.path)
         session = Session(engine, system=saved.system, name=name)
         session.saved_at = saved.updated

@@ -17,16 +17,16 @@ import re
 import stat
 import time
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from localchat import __version__
-from localchat.engine.focus import ANSWER_ONLY
 from localchat.errors import UserError
 from localchat.paths import PARTIAL, SAFETENSORS_TMP, collect_partial
 from localchat.store.private import link_error, open_private, room
+
+# torch, safetensors and the engine are imported where a cache is read or written: listing the chats imports none
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "localchat-cache-1"
 MAX_CACHE_BYTES = 2 << 30  # a larger cache (full attention over a long document) is not saved
@@ -51,7 +51,10 @@ def _quantized_weights(engine) -> str | None:
 
 def fingerprint(engine) -> str:
     """What a saved cache depends on besides the text: model, policy (incl. heads), versions."""
+    import torch
     import transformers
+
+    from localchat.engine.focus import ANSWER_ONLY
 
     facts = {
         "model": engine.name, "config": engine.model.config.to_json_string(use_diff=False),
@@ -87,12 +90,21 @@ def settings_of(engine) -> dict:
 
 def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the tensors' names, shapes, dtypes and bytes, in name order (a saved cache's checksum)."""
+    import torch
+
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
+    """safetensors' save_file, imported when a cache is first written."""
+    from safetensors.torch import save_file as save
+
+    save(tensors, path, metadata=metadata)
 
 
 def text_hash(text: str) -> str:
@@ -134,6 +146,8 @@ class CacheFiles:
     def read(self, session, name: str | None, fed: int) -> str | None:
         """Continue `session` (its messages restored) from the cache file `name`; None when it did, else why not.
         UserError for a link, which is never followed."""
+        from safetensors import safe_open
+
         engine = session.engine
         if not name:
             return "no cache was saved with it"

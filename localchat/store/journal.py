@@ -18,7 +18,6 @@ import sqlite3
 import time
 from pathlib import Path
 
-from localchat.session import Attachment
 from localchat.store import rows
 from localchat.store.private import open_private, room
 
@@ -103,6 +102,8 @@ def entry_for(session, name: str, row: dict, messages: list[dict], held: list[di
 def put_back(db: sqlite3.Connection, entry: dict) -> tuple[str, str | None]:
     """Write a kept turn into its chat, or as a chat of its own when the chat changed since; the name it is saved
     under, and the cache file the chat's old row named (now unused)."""
+    from localchat.session import Attachment
+
     name = entry["chat"]
     attachments = [Attachment(**a) for a in entry.get("attachments") or []]
     start, messages = int(entry.get("from") or 0), entry["messages"]

@@ -10,9 +10,12 @@ import json
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from localchat.errors import UserError
-from localchat.session import Attachment
+
+if TYPE_CHECKING:  # imported where a chat is read: listing the saved chats imports no session (nor torch)
+    from localchat.session import Attachment
 
 NAME_MAX = 100  # characters in a chat's name
 
@@ -121,6 +124,8 @@ def read(db: sqlite3.Connection, name: str, path: Path) -> Saved:
         where = f"message {bad + 1}" if bad is not None else "its system prompt"
         raise UserError(f"chat {shown(name)} in {path} is damaged ({where} is not a saved message); it is left as it "
                         f"is: start another chat, or remove this one with `localchat sessions --delete`")
+    from localchat.session import Attachment
+
     return Saved(system, cache_file, fed, updated, [{"role": r, "content": c, "question": q} for r, c, q in messages],
                  [Attachment(*a) for a in attachments])
 

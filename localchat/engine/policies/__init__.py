@@ -1,23 +1,15 @@
 """Eviction policies, one module each (a package for one with machinery of its own), and the registry `POLICIES`
-(name -> Policy class). Adding a policy: its module, and one row in MODULES (CONTRIBUTING.md)."""
+(name -> Policy class). Adding a policy: its module, and one row in catalog.py (CONTRIBUTING.md).
+
+A module is imported when its class is first asked for (`policy_class`), `POLICIES` imports them all: what only
+needs a policy's declarations (the command line, `localchat policies`) reads `catalog.CATALOG` and no torch."""
 
 from importlib import import_module
 
 from localchat.engine.policies.base import Option, Policy  # noqa: F401
+from localchat.engine.policies.catalog import CATALOG
 
-MODULES = (  # one row per policy: its module under policies/, in the order `localchat policies` lists them
-    "locret",
-    "full",
-    "streaming",
-    "h2o",
-    "snapkv",
-    "sirllm",
-    "random",
-    "sagekv",
-    "omnikv",
-    "roco",
-    "corm",
-)
+_classes: dict[str, type[Policy]] = {}
 
 
 def _policy_in(module: str) -> type[Policy]:
@@ -29,7 +21,14 @@ def _policy_in(module: str) -> type[Policy]:
     return found.pop()
 
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in map(_policy_in, MODULES)}
+def __getattr__(attr: str):
+    if attr == "POLICIES":  # every class, imported on first use
+        policies = {name: policy_class(name) for name in CATALOG}
+        globals()["POLICIES"] = policies
+        return policies
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
 DEFAULT_POLICY = "locret"  # where its retaining heads ship for the model (or --heads is given)
 PLAIN_POLICY = "full"  # otherwise: nothing evicted
 # Where no trained heads exist and full attention cannot hold the document: the best training-free bounded policy
@@ -41,10 +40,14 @@ NO_HEADS_POLICY = "sirllm"
 def policy_class(name: str) -> type[Policy]:
     from localchat.errors import UserError
 
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise UserError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
-    return cls
+    if name not in CATALOG:
+        raise UserError(f"unknown policy {name!r}; choose one of: {', '.join(CATALOG)}")
+    if name not in _classes:
+        cls = _policy_in(CATALOG[name].module)
+        if cls.name != name:
+            raise ImportError(f"policies/{CATALOG[name].module} defines {cls.name!r}, not {name!r} (catalog.py)")
+        _classes[name] = cls
+    return _classes[name]
 
 
 def make_policy(name: str, **settings) -> Policy:

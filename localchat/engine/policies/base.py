@@ -43,8 +43,9 @@ from localchat.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-# torch is imported where a tensor is made, so the planner and the command line read policies without it
-PROTECT = 3.4028234663852886e38  # torch.finfo(torch.float32).max: "+inf" that survives arithmetic (as LOCRET's code does)
+# torch is imported where a tensor is made, so the planner and the command line read policies without it.
+# "+inf" that survives arithmetic (as LOCRET's code does): torch.finfo(torch.float32).max
+PROTECT = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from localchat.engine.heads import HeadScorer, RetainingHeads
 from localchat.engine.policies.base import Option, Policy
-from localchat.engine.policies.repeats import TokenIds, cap_copies
 from localchat.errors import UserError
+
+if TYPE_CHECKING:  # imported where used: planning reads this class without torch
+    from localchat.engine.heads import RetainingHeads
 
 FOCUS_WINDOW = 32  # --focus: the question's last tokens whose attention votes (engine/focus.py)
 FOCUS_SPREAD = 16  # --focus: a unit takes the vote of the units up to this many tokens before it
@@ -76,6 +76,9 @@ class Locret(Policy):
         super().attach(model, cache)
         if self.heads is None:
             raise UserError("LOCRET needs retaining heads for this model; pass --heads DIR (or --heads random)")
+        from localchat.engine.heads import HeadScorer
+        from localchat.engine.policies.repeats import TokenIds
+
         self.scorer = HeadScorer(model, self.heads)
         self.cache = cache
         if self.max_copies > 0 and (self.token_ids is None or self._ids_of() is not cache):
@@ -93,15 +96,17 @@ class Locret(Policy):
         for i, layer in enumerate(cache.layers):
             layer.scores[:, -n_new:] = self.scorer.take(i)[:, -n_new:]
 
-    @torch.inference_mode()
     def _flush(self, cache, skip: int = 0) -> None:
         """Score the queued single tokens: the units just before the `skip` newest."""
+        import torch
+
         count = self.scorer.queued()
         if count == 0:
             return
-        for layer, scores in zip(cache.layers, self.scorer.flush()):
-            end = layer.get_seq_length() - skip
-            layer.scores[:, end - count:end] = scores
+        with torch.inference_mode():
+            for layer, scores in zip(cache.layers, self.scorer.flush()):
+                end = layer.get_seq_length() - skip
+                layer.scores[:, end - count:end] = scores
 
     def score(self, layer, layer_idx):
         if self.cache is not None:  # attached: queued tokens get their scores first
@@ -112,6 +117,8 @@ class Locret(Policy):
         prio = super().priority(layer, layer_idx, last_chunk)
         if self.token_ids is None:
             return prio
+        from localchat.engine.policies.repeats import cap_copies
+
         if layer_idx == 0 and self.cache is not None:  # once per eviction: forget what no layer holds
             self.token_ids.forget_except([held.positions for held in self.cache.layers])
         return cap_copies(prio, self.token_ids.lookup(layer.positions), self.max_copies)
