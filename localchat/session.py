@@ -50,7 +50,7 @@ class _State:
     messages: list[dict] = field(default_factory=list)
     attachments: list[Attachment] = field(default_factory=list)
 
-    def copy(self) -> "_State":
+    def copy(self) -> _State:
         """Messages and attachments copied, the same cache object (`_snapshot` keeps what restores it)."""
         return _State(self.cache, self.text, self.fed, list(self.messages), list(self.attachments))
 

@@ -8,8 +8,9 @@ import torch
 if not torch.cuda.is_available():  # the kernel tests run Triton's interpreter on CPU tensors (tests/kernels/test_kernels.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from localchat.engine.engine import Engine
 from tiny import tiny_llama, tiny_tokenizer
+
+from localchat.engine.engine import Engine
 
 
 @pytest.fixture(autouse=True)

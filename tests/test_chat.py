@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import io
 
+from tiny import save_tiny
+
 from localchat.chat import run_chat
 from localchat.documents import load_document
-from localchat.render import user_turn
 from localchat.engine.sampling import GenerationSettings
 from localchat.planning.load import load_engine
 from localchat.planning.resolve import resolve
-from tiny import save_tiny
+from localchat.render import user_turn
 
 
 def test_chat_attaches_answers_and_survives_bad_input(tmp_path):

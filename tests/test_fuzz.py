@@ -22,9 +22,9 @@ import string
 from pathlib import Path
 
 import pytest
+from tiny import save_tiny
 
 from localchat.cli import main
-from tiny import save_tiny
 
 FLAGS = ["--max-new-tokens", "2"]
 ODD = ["nan", "NaN", "inf", "-inf", "1e400", "-1", "0", "", " ", "9" * 30, "-9" * 20, "1.5", "0x10", "１２",

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.documents import load_document
 from localchat.engine.engine import Engine
@@ -15,7 +16,6 @@ from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import make_policy
 from localchat.engine.sampling import GenerationSettings
 from localchat.session import Session
-from tiny import tiny_llama
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

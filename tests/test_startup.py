@@ -1,6 +1,6 @@
 """The commands that load no model start without torch or transformers: --help, plan (a profile's, --json, a
-config.json directory's), sessions (list, --show, --delete), profile list / show and policies. Each runs in a fresh
-interpreter, as a user's does, with its config, data and cache directories in tmp."""
+config.json directory's, a hybrid model's card), sessions (list, --show, --delete), profile list / show and
+policies. Each runs in a fresh interpreter, as a user's does, with its config, data and cache directories in tmp."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ COMMANDS = [
     ["plan"],
     ["plan", "--model", "{model}"],
     ["plan", "--model", "{model}", "--policy", "locret", "--heads", "random", "--json"],
+    ["plan", "--model", "qwen3.6-27b", "--memory-gb", "24", "--device", "cuda"],  # a hybrid card
     ["profile", "list"],
     ["profile", "show"],
     ["--profile", "rtx4090", "profile", "show"],

@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from tiny import save_tiny
 
 from localchat.cli import main
 from localchat.engine.events import Done, Error, Token
 from localchat.errors import TooLong, UserError, check_text
 from localchat.session import Session
 from localchat.turn import Failure, Unsaved, answer, failure
-from tiny import save_tiny
 
 
 @pytest.fixture(scope="module")

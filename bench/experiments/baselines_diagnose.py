@@ -23,7 +23,6 @@ from localchat.bench.tasks import prompt_messages, score
 from localchat.engine.events import Done, Notice, Token
 from localchat.engine.sampling import GenerationSettings
 
-
 SETTINGS: dict[str, str] = {}
 
 

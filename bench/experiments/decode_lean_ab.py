@@ -13,9 +13,9 @@ import argparse
 import statistics
 import time
 
-import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
 
+import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 from localchat.bench.cell import Cell, use_policy
 from localchat.engine.decode_step import DecodeStep
 from localchat.engine.engine import Engine
@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(6):
             for use_lean in (True, False):
                 runs[use_lean].append(rate(use_lean))
-    print(w, "lean tok/s median %.1f %s | transformers forward %.1f %s | units %d" % (
-        statistics.median(runs[True]), [round(x, 1) for x in runs[True]],
-        statistics.median(runs[False]), [round(x, 1) for x in runs[False]], cache.get_seq_length()))
+    lean, plain = runs[True], runs[False]
+    print(w, f"lean tok/s median {statistics.median(lean):.1f} {[round(x, 1) for x in lean]} | transformers forward "
+             f"{statistics.median(plain):.1f} {[round(x, 1) for x in plain]} | units {cache.get_seq_length()}")
 
 
 if __name__ == "__main__":

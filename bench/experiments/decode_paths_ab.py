@@ -13,9 +13,9 @@ import argparse
 import statistics
 import time
 
-import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
 
+import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 from localchat.bench.cell import Cell, use_policy
 from localchat.engine.decode_step import WAYS, DecodeStep
 from localchat.engine.engine import Engine

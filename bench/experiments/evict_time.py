@@ -12,9 +12,9 @@ import argparse
 import json
 import time
 
-import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
 
+import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 from localchat.engine.cache import KVCache
 from localchat.kernels.evict import select
 

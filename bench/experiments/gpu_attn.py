@@ -15,6 +15,7 @@ contents (speed only). On a CPU the Triton interpreter runs it (a dry run: set T
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import time
@@ -148,8 +149,8 @@ def main(argv=None) -> None:
                 if mod is not None and not hasattr(mod, qattn.WAYS[way]):
                     continue  # an older kernels file without this way
                 split = qattn.Split(way=way, block=block, programs=programs, warps=warps, kernels=mod)
-                call = lambda: graph_attn.attention_triton(q, main_, *tails, lens, bits, group_size(d), d**-0.5,  # noqa: E731
-                                                           inv if rotate else None, split)
+                call = functools.partial(graph_attn.attention_triton, q, main_, *tails, lens, bits, group_size(d),
+                                         d**-0.5, inv if rotate else None, split)
                 row = {"kernels": name, "way": way, "block": block if way == "dot" else None,
                        "programs": programs, "warps": warps, "bits": bits, "rotate": rotate}
                 try:

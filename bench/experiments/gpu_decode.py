@@ -160,7 +160,7 @@ def measure(args) -> dict:
             times, steps = [], []
             _way(engine, way, split, steps)
             done, _ = _decode(engine, cache, at, args.tokens, seed=3, notes=notes,
-                              on_token=lambda: times.append(time.perf_counter()))
+                              on_token=lambda times=times: times.append(time.perf_counter()))
             steady = steady_rate(times)
             step = steps[-1] if steps else None
             took = step is not None and step.graph is not None and not step.reason

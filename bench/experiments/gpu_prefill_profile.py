@@ -110,7 +110,6 @@ def main(argv=None) -> None:
     from localchat.engine.engine import Engine
     from localchat.engine.heads import RetainingHeads
     from localchat.engine.policies import make_policy
-
     from localchat.errors import UserError
 
     try:

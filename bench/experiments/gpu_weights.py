@@ -88,7 +88,7 @@ def build(config: dict, layers: int, weights: str, dev: torch.device, seed: int)
     gen = torch.Generator(device=dev).manual_seed(seed)
     modules, error = [], None
     for _ in range(layers):
-        for name, n_in, n_out in shapes(config):
+        for _name, n_in, n_out in shapes(config):
             linear = torch.nn.Linear(n_in, n_out, bias=False, device=dev, dtype=torch.bfloat16)
             with torch.no_grad():
                 linear.weight.copy_(torch.randn(n_out, n_in, device=dev, generator=gen) * n_in ** -0.5)

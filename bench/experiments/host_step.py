@@ -19,9 +19,9 @@ import subprocess
 import timeit
 from pathlib import Path
 
-import localchat  # noqa: F401  (before torch: the app's thread settings)
 import torch
 
+import localchat  # noqa: F401  (before torch: the app's thread settings)
 from localchat.engine.engine import Decoding, Engine
 from localchat.engine.events import Done
 from localchat.engine.graph_step import GraphStep

@@ -41,7 +41,7 @@ def run(dtype, mode: str, bits: int = 8) -> tuple[float, float]:
     g = torch.Generator().manual_seed(1)
     W = torch.empty(H, 0, D, dtype=dtype)  # working keys at their slots
     R = torch.empty(H, 0, D, dtype=torch.int8)  # remainder
-    O = torch.empty(H, 0, D, dtype=dtype)  # keys as they arrived (mode A)
+    arrived_all = torch.empty(H, 0, D, dtype=dtype)  # keys as they arrived (mode A)
     ins = torch.empty(H, 0, dtype=torch.long)
     S = torch.empty(H, 0)
     ref_src = torch.empty(H, 0, D, dtype=torch.float64)
@@ -51,7 +51,7 @@ def run(dtype, mode: str, bits: int = 8) -> tuple[float, float]:
         raw = torch.randn(H, C, D, generator=g, dtype=torch.float64) * 2
         slots = torch.arange(n, n + C).expand(H, C)
         arrived = rot64(raw, slots).to(dtype)
-        W, O = torch.cat([W, arrived], 1), torch.cat([O, arrived], 1)
+        W, arrived_all = torch.cat([W, arrived], 1), torch.cat([arrived_all, arrived], 1)
         R = torch.cat([R, torch.zeros(H, C, D, dtype=torch.int8)], 1)
         ins, S = torch.cat([ins, slots], 1), torch.cat([S, torch.rand(H, C, generator=g)], 1)
         ref_src = torch.cat([ref_src, arrived.double()], 1)
@@ -61,8 +61,8 @@ def run(dtype, mode: str, bits: int = 8) -> tuple[float, float]:
         if mode == "today":
             W = rot32(W.gather(1, gi), new - idx).to(dtype)
         elif mode == "A":
-            O, ins = O.gather(1, gi), ins.gather(1, idx)
-            W = rot32(O, new - ins).to(dtype)
+            arrived_all, ins = arrived_all.gather(1, gi), ins.gather(1, idx)
+            W = rot32(arrived_all, new - ins).to(dtype)
         elif mode == "res":
             w, r = W.gather(1, gi), R.gather(1, gi)
             x = rot32(w.float() + r.float() * step_of(w, dtype) * (2 ** (8 - bits)), new - idx)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
 from torch import nn
 
+import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 from localchat.kernels import cpu_decode
 from localchat.kernels.packed import GROUP, PackedLinear
 
@@ -48,9 +48,9 @@ def compare(native, rows: int, inputs: int, copies: int) -> dict[str, float]:
     dense.clear()  # free them before the packed copies
     for bits in (8, 4):
         layers = [PackedLinear(nn.Linear(inputs, rows, bias=False), bits) for _ in range(copies)]
-        out[f"torch int{bits}"] = per_call_us(lambda: [torch_kernel(p, xb)() for p in layers], copies)
+        out[f"torch int{bits}"] = per_call_us(lambda layers=layers: [torch_kernel(p, xb)() for p in layers], copies)
         out[f"ours int{bits}"] = per_call_us(
-            lambda: [native.packed_row(x, p.codes, p.scales, p.bits, rows, GROUP, p.block) for p in layers], copies)
+            lambda layers=layers: [native.packed_row(x, p.codes, p.scales, p.bits, rows, GROUP, p.block) for p in layers], copies)
     return out
 
 

@@ -16,9 +16,10 @@ import statistics
 import subprocess
 import time
 
-import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 import torch
 from wait_policy import LOADS, steady_step
+
+import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
 
 
 def main(argv=None) -> None:

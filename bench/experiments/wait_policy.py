@@ -29,9 +29,9 @@ LOADS = {
 def steady_step(units: int = 1180):
     """SmolLM2 at the default int4 weights after the bench's 7,600-token document cut to `units` tokens: `one()`
     decodes a token and cuts the cache back, so every call steps over the same length; and the cache."""
-    import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
     import torch
 
+    import localchat  # noqa: F401 - before torch: the app's OpenMP wait policy (localchat/__init__.py)
     from localchat.bench.perf import prompt
     from localchat.engine.decode_step import DecodeStep
     from localchat.engine.engine import Engine

@@ -16,7 +16,6 @@ tokens as LOCRET keeps (the cache size LOCRET decodes over); the ratios compare 
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import statistics
 import time
@@ -86,10 +85,10 @@ def micro(reps: int, device: torch.device, units=(1024, 4096, 16384)) -> list[di
                 args = (q, quant, tk, tv, bits, group_size(d), d**-0.5, inv.to(device))
                 row = {"kernel": "decode_attention", "shape": name, "units": n, "tail": 64, "bits": bits,
                        "dtype": str(dtype).removeprefix("torch."),
-                       "twin_ms": _time(lambda: qattn.decode_attention_torch(*args), reps, cuda),
-                       "dequant_sdpa_ms": _time(lambda: _old_path(*args), reps, cuda)}
+                       "twin_ms": _time(lambda args=args: qattn.decode_attention_torch(*args), reps, cuda),
+                       "dequant_sdpa_ms": _time(lambda args=args: _old_path(*args), reps, cuda)}
                 if triton:
-                    row["triton_ms"] = _time(lambda: qattn.decode_attention_triton(*args), reps, cuda)
+                    row["triton_ms"] = _time(lambda args=args: qattn.decode_attention_triton(*args), reps, cuda)
                     row["speedup_vs_dequant_sdpa"] = round(row["dequant_sdpa_ms"] / row["triton_ms"], 2)
                     row["speedup_vs_twin"] = round(row["twin_ms"] / row["triton_ms"], 2)
                 rows.append(row)
@@ -99,9 +98,9 @@ def micro(reps: int, device: torch.device, units=(1024, 4096, 16384)) -> list[di
             args = (keys, values, idx, inv.to(device))
             row = {"kernel": "gather_rotate", "shape": name, "units": n, "kept": k,
                    "dtype": str(dtype).removeprefix("torch."),
-                   "twin_ms": _time(lambda: evict.gather_rotate_torch(*args), reps, cuda)}
+                   "twin_ms": _time(lambda args=args: evict.gather_rotate_torch(*args), reps, cuda)}
             if triton:
-                row["triton_ms"] = _time(lambda: evict.gather_rotate_triton(*args), reps, cuda)
+                row["triton_ms"] = _time(lambda args=args: evict.gather_rotate_triton(*args), reps, cuda)
                 row["speedup_vs_twin"] = round(row["twin_ms"] / row["triton_ms"], 2)
             rows.append(row)
     prios = [torch.randn(3, 1536, generator=g).to(device) for _ in range(30)]
@@ -115,7 +114,6 @@ def end_to_end(config: KernelConfig, say):
     """Decode rows, and the engine (its device and name go into the setup)."""
     from localchat.bench.cell import Cell, load_engine, use_policy
     from localchat.bench.perf import greedy, prompt
-
     from localchat.bench.runner import default_chunk
 
     cell = Cell(task="niah_single", length=config.length, policy="locret", budget=config.budget, n=1,

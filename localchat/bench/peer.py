@@ -19,6 +19,8 @@ import signal
 import time
 from pathlib import Path
 
+from localchat.errors import UserError, first_line
+
 PEERS = ("llama.cpp",)
 INSTALL = "pip install -e '.[peers]' (llama-cpp-python; it compiles llama.cpp, about 15 minutes on 2 cores)"
 
@@ -82,7 +84,6 @@ class LlamaCpp:
 
 def check_peer(peer: str | None, model: str | None) -> None:
     """A UserError for an unknown peer, or a model the peer cannot read (it reads GGUF files)."""
-    from localchat.errors import UserError
 
     if peer is None:
         return
@@ -103,7 +104,7 @@ def _serve(conn, factory: str, args: tuple) -> None:
     try:
         peer = getattr(importlib.import_module(module), name)(*args)
     except Exception as exc:  # noqa: BLE001 - the parent makes a row of it
-        conn.send(("error", f"could not start: {(str(exc).splitlines() or [type(exc).__name__])[0]}"))
+        conn.send(("error", f"could not start: {first_line(exc)}"))
         return
     conn.send(("ready", None))
     while True:
@@ -114,7 +115,7 @@ def _serve(conn, factory: str, args: tuple) -> None:
         try:
             conn.send(("ok", peer.run(*request)))
         except Exception as exc:  # noqa: BLE001
-            conn.send(("error", (str(exc).splitlines() or [type(exc).__name__])[0]))
+            conn.send(("error", first_line(exc)))
 
 
 class PeerProcess:

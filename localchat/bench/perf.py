@@ -34,9 +34,9 @@ import torch
 from localchat.bench import machine
 from localchat.bench.cell import Cell, load_engine, use_policy
 from localchat.bench.runner import MAX_LENGTH, MIN_LENGTH, default_chunk
-from localchat.engine.policies import POLICIES
 from localchat.bench.tasks import niah_single, prompt_messages
 from localchat.engine.events import Done, Error
+from localchat.engine.policies import POLICIES
 from localchat.engine.prefill import cache_kwarg
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError

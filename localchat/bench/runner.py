@@ -145,8 +145,7 @@ def _ships_heads(model: str | None) -> bool:
 
 def default_chunk(model: str | None) -> int:
     """The chunk the engine will use for `model` (its card's, else the engine default)."""
-    from localchat.engine.cards import default_card, find_card
-    from localchat.engine.cards import card_chunk
+    from localchat.engine.cards import card_chunk, default_card, find_card
 
     card = default_card() if model is None else find_card(model)
     return card_chunk(card)

@@ -17,8 +17,8 @@ import re
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -56,8 +56,8 @@ import math
 import random
 import re
 from bisect import bisect_right
-from decimal import Decimal
 from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
 
 from localchat.bench.corpus import Section, natural_text, paragraphs, sections

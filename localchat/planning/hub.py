@@ -28,7 +28,7 @@ from huggingface_hub.errors import (
 )
 
 from localchat import __version__
-from localchat.errors import UserError
+from localchat.errors import UserError, first_line
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -76,10 +76,6 @@ def transport():
     return importlib.import_module(type(get_session()).__module__.split(".")[0])
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-
-
 @contextmanager
 def hub_calls(remote: Remote) -> Iterator[None]:
     """Hub failures as Offline, Broken, or a one-line UserError naming the repository."""
@@ -87,7 +83,7 @@ def hub_calls(remote: Remote) -> Iterator[None]:
     try:
         yield
     except (OfflineModeIsEnabled, LocalEntryNotFoundError) as exc:
-        raise Offline(_first_line(exc.__cause__) if exc.__cause__ else "HF_HUB_OFFLINE is set") from None
+        raise Offline(first_line(exc.__cause__, 200) if exc.__cause__ else "HF_HUB_OFFLINE is set") from None
     except GatedRepoError:
         raise UserError(f"{repo} is gated: accept its terms on the hub, then run `hf auth login` (or set HF_TOKEN)") from None
     except RepositoryNotFoundError:
@@ -97,15 +93,15 @@ def hub_calls(remote: Remote) -> Iterator[None]:
     except EntryNotFoundError:
         raise UserError(f"{repo} has no file {remote.file} at {remote.revision[:12]}") from None
     except HfHubHTTPError as exc:
-        raise UserError(f"{repo}: the hub answered {_first_line(exc)}") from None
+        raise UserError(f"{repo}: the hub answered {first_line(exc, 200)}") from None
     except Exception as exc:
         http = transport()
         if isinstance(exc, (http.ConnectError, http.ConnectTimeout, http.ProxyError)):
-            raise Offline(_first_line(exc)) from None
+            raise Offline(first_line(exc, 200)) from None
         if isinstance(exc, http.TransportError):
-            raise Broken(_first_line(exc)) from None
+            raise Broken(first_line(exc, 200)) from None
         if isinstance(exc, OSError) and "Consistency check failed" in str(exc):
-            raise Broken(_first_line(exc)) from None
+            raise Broken(first_line(exc, 200)) from None
         raise
 
 

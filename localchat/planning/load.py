@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from localchat.config import PolicySpec, RunSpec
+from localchat.engine import loading
 from localchat.engine.engine import Engine
 from localchat.engine.heads import RetainingHeads
-from localchat.engine import loading
 from localchat.engine.loading import _stderr
 from localchat.engine.policies import Policy, make_policy
 from localchat.errors import TooLong, UserError

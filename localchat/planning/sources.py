@@ -27,20 +27,20 @@ class Source(str):
 
     kind: Kind
 
-    def __new__(cls, kind: Kind, text: str | None = None) -> "Source":
+    def __new__(cls, kind: Kind, text: str | None = None) -> Source:
         self = super().__new__(cls, kind.value if text is None else text)
         self.kind = kind
         return self
 
     @classmethod
-    def plan(cls, why: str | None = None) -> "Source":
+    def plan(cls, why: str | None = None) -> Source:
         return cls(Kind.PLAN, f"plan: {why}" if why else None)
 
     @classmethod
-    def default(cls, why: str | None = None) -> "Source":
+    def default(cls, why: str | None = None) -> Source:
         return cls(Kind.DEFAULT, f"default ({why})" if why else None)
 
-    def noted(self, note: str) -> "Source":
+    def noted(self, note: str) -> Source:
         """The same kind, with `note` after the text ("model card, lowered to fit the budget")."""
         return Source(self.kind, f"{self}, {note}")
 

@@ -65,7 +65,7 @@ class Service:
             self.worker.stop()
             self.sock.close()
 
-    def start(self) -> "Service":
+    def start(self) -> Service:
         """Serve from a thread; returns once the server accepts connections."""
         self.thread = threading.Thread(target=self.run, name="localchat-serve", daemon=True)
         self.thread.start()

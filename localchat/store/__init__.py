@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from localchat.store.chat_lock import ChatLock
-from localchat.errors import UserError
+from localchat.errors import UserError, first_line
 from localchat.paths import collect_partial, data_dir
 from localchat.store import journal, rows, upgrades
 from localchat.store.cache_files import ORPHAN_GRACE, CacheFiles, fingerprint, settings_of
+from localchat.store.chat_lock import ChatLock
 from localchat.store.private import check_rooms, open_private, open_warning
 from localchat.store.rows import NAME_MAX, ChatInfo, check_name, shown
 from localchat.store.upgrades import MIGRATIONS, SCHEMA
@@ -50,7 +50,7 @@ class SaveIncomplete(UserError):
 
 def _reason(exc: BaseException) -> str:
     """An OS or SQLite failure in a few words ("No space left on device", "database or disk is full")."""
-    text = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    text = getattr(exc, "strerror", None) or first_line(exc)
     errno = re.search(r"\(os error ([0-9]+)\)", text)  # safetensors' wording of an OS error
     return os.strerror(int(errno.group(1))) if errno else text[:200]
 

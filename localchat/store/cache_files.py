@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from localchat import __version__
-from localchat.errors import UserError
+from localchat.errors import UserError, first_line
 from localchat.paths import PARTIAL, SAFETENSORS_TMP, collect_partial
 from localchat.store.private import link_error, open_private, room
 
@@ -45,7 +45,7 @@ def _quantized_weights(engine) -> str | None:
     weights = getattr(engine, "weights", None)
     if weights in (None, "fp32", "bf16", "fp16"):
         return None
-    attn = attention_modules(engine.model)[0]
+    attn = next(m for m in attention_modules(engine.model) if m is not None)
     return f"{weights} {type(getattr(attn, 'q_proj', None) or attn.qkv_proj).__name__}"
 
 
@@ -177,7 +177,7 @@ class CacheFiles:
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - a damaged file: say so, re-read
-            return f"the file is damaged: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
+            return f"the file is damaged: {first_line(exc)}"
         cache = engine.new_cache()
         if int(meta.get("layers", -1)) != len(cache.layers) or meta.get("positions") != cache.positions:
             return "its shape does not fit this model"

@@ -20,9 +20,9 @@ import string
 from dataclasses import dataclass, field
 
 from localchat.bench.corpus import natural_text
-from localchat.train.sources import source_text
 from localchat.documents import Document
 from localchat.render import user_turn
+from localchat.train.sources import source_text
 
 KINDS = ("code", "needle", "multikey", "kv_list", "source", "natural")
 WORDS = ("apple", "river", "falcon", "copper", "maple", "violet", "harbor", "lantern", "meadow", "quartz",

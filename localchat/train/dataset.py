@@ -83,7 +83,7 @@ def _importance(full_logit: torch.Tensor) -> torch.Tensor:
     return z.mean(dim=(0, 1))
 
 
-def build(engine, samples: list["TrainSample"], out: Path, *, chunk: int = 1024, window: int = 64,
+def build(engine, samples: list[TrainSample], out: Path, *, chunk: int = 1024, window: int = 64,
           keep: int = 768, say=print) -> list[Path]:
     """Write one label file per sample (skipping those already written); return all paths."""
     scratch = out / PARTIAL

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from textual.app import App, SystemCommand
 
-from localchat.documents import DEFAULT_MAX_BYTES
 from localchat.config import RunSpec
+from localchat.documents import DEFAULT_MAX_BYTES
 from localchat.engine.sampling import GenerationSettings
 from localchat.tui import commands, heap, keys
 from localchat.tui.widgets.status import device_memory

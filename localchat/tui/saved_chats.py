@@ -6,10 +6,10 @@ from contextlib import closing
 
 from textual.widgets import OptionList
 
-from localchat.store.chat_lock import WINDOW
+from localchat.errors import first_line
 from localchat.planning.resolve import saved_flags
+from localchat.store.chat_lock import WINDOW
 from localchat.tui.events import ChatOpened, ChatSaved
-from localchat.tui.text import one_line
 from localchat.tui.widgets.chat_list import ChatList
 from localchat.tui.widgets.chips import chip_label
 from localchat.tui.widgets.messages import AssistantMessage, Note, UserMessage
@@ -54,7 +54,7 @@ class SavedChats:
             self.post_message(ChatSaved(None, str(exc)))
             return
         except Exception as exc:  # noqa: BLE001
-            self.post_message(ChatSaved(None, f"could not save this chat: {one_line(exc)}"))
+            self.post_message(ChatSaved(None, f"could not save this chat: {first_line(exc)}"))
             return
         self.post_message(ChatSaved(name, problem))
 
@@ -94,7 +94,7 @@ class SavedChats:
         except Exception as exc:  # noqa: BLE001
             if lock is not None:
                 lock.release()
-            self.post_message(ChatOpened(error=f"cannot open chat {name}: {one_line(exc)}"))
+            self.post_message(ChatOpened(error=f"cannot open chat {name}: {first_line(exc)}"))
             return
         self.post_message(ChatOpened(session, name, notices, lock=lock, spec=spec))
 

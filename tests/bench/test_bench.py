@@ -6,27 +6,12 @@ import json
 import sys
 
 import pytest
-import torch
 
 from localchat.bench.report import PLOT_NOTICE, write_report
 from localchat.bench.runner import RESULTS, BenchConfig, run
 from localchat.cli import main
-from tiny import save_tiny
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(save_tiny(tmp_path_factory.mktemp("tiny-bench")))
-
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """Tiny models run fastest on one thread (and do not fight a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for cell subprocesses
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixtures in conftest.py
 
 
 def _rows(out):
@@ -313,11 +298,11 @@ def test_perf_measures_the_cap_beside_plain_locret(tiny_dir, tmp_path, monkeypat
     """`bench perf --max-copies N`: a fifth side-by-side row that runs LOCRET with the cap (cap_copies is called
     while it reads, and only then), and the cap's ratios to plain LOCRET in perf.json and perf.md."""
     from localchat.bench import perf
-    from localchat.engine.policies import locret
+    from localchat.engine.policies import repeats  # LOCRET imports cap_copies from there when it first caps
 
     calls, caps = [], []
-    real_cap, real_run = locret.cap_copies, perf.greedy
-    monkeypatch.setattr(locret, "cap_copies", lambda *a: calls.append(1) or real_cap(*a))
+    real_cap, real_run = repeats.cap_copies, perf.greedy
+    monkeypatch.setattr(repeats, "cap_copies", lambda *a: calls.append(1) or real_cap(*a))
     monkeypatch.setattr(perf, "greedy", lambda engine, *a: caps.append(getattr(engine.policy, "max_copies", None))
                         or real_run(engine, *a))
     argv = ["bench", "perf", "--out", str(tmp_path), "--model", tiny_dir, "--chunk", "64", "--length", "256",
@@ -541,7 +526,6 @@ def test_focus_window_and_spread_are_recorded_and_keyed(tiny_dir, tmp_path, caps
 
 
 def test_perf_measures_focus_beside_plain_locret(tiny_dir, tmp_path, monkeypatch):
-    from localchat.bench import perf
     from localchat.engine import focus
 
     views = []

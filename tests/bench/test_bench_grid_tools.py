@@ -9,12 +9,12 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
-
-from localchat.bench import crosscheck, side_by_side, training_plot
 from test_experiments import EXPERIMENTS, load
 
-targets = load(EXPERIMENTS / "grid_targets.py")
+from localchat.bench import crosscheck, side_by_side, training_plot
 from localchat.errors import UserError
+
+targets = load(EXPERIMENTS / "grid_targets.py")
 
 
 def _row(policy, correct, example, weights=None, gpu=None, budget=1024, output="x", **extra):

@@ -12,9 +12,9 @@ import pytest
 
 from localchat.bench import lanes
 from localchat.bench.runner import RESULTS, BenchConfig, plan, run
-from test_bench import one_thread, tiny_dir  # noqa: F401 (fixtures: a tiny model, one torch thread)
 
-pytestmark = pytest.mark.skipif(lanes.fcntl is None, reason="claims need fcntl (POSIX)")
+pytestmark = [pytest.mark.skipif(lanes.fcntl is None, reason="claims need fcntl (POSIX)"),
+              pytest.mark.usefixtures("one_thread")]
 ROOT = Path(__file__).resolve().parents[2]
 
 

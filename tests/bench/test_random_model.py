@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import torch
+from tiny import CONFIGS, tiny_tokenizer
 
 from localchat.cli import main
-from tiny import CONFIGS, tiny_tokenizer
 
 
 def test_a_two_layer_model_from_a_real_config_with_a_given_tokenizer(tmp_path):

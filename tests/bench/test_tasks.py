@@ -8,7 +8,15 @@ from collections import Counter
 import pytest
 
 from localchat.bench.tasks import (
-    MAX_SENTENCE, PASSKEY_FILLER, TASKS, make_sample, passkey, prompt_messages, score, score_passkey, user_message,
+    MAX_SENTENCE,
+    PASSKEY_FILLER,
+    TASKS,
+    make_sample,
+    passkey,
+    prompt_messages,
+    score,
+    score_passkey,
+    user_message,
 )
 
 NEEDLE_TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "doc_qa", "multiturn"]

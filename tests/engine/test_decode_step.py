@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import ARCHITECTURES, read_attached, tiny_architecture, tiny_tokenizer
 
 from localchat.engine import decode_step
 from localchat.engine.decode_step import DecodeStep
@@ -14,7 +15,6 @@ from localchat.engine.policies import make_policy
 from localchat.engine.prefill import forward
 from localchat.engine.sampling import GenerationSettings
 from localchat.kernels import cpu_decode
-from tiny import ARCHITECTURES, read_attached, tiny_architecture, tiny_tokenizer
 
 LEAN = ["llama", "mistral", "qwen2", "qwen3"]  # Llama's layer layout; Phi-3 fuses q/k/v and keeps transformers'
 

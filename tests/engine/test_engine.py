@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.engine.cache import KVCache
 from localchat.engine.detok import StreamDecoder
@@ -13,7 +14,6 @@ from localchat.engine.engine import Engine
 from localchat.engine.events import Done, Error, Progress, Token
 from localchat.engine.prefill import prefill
 from localchat.engine.sampling import GenerationSettings, pick_token
-from tiny import tiny_llama
 
 
 def _drain(gen):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.engine.cache import KVCache
 from localchat.engine.engine import Engine
@@ -14,7 +15,6 @@ from localchat.engine.policies.base import PROTECT
 from localchat.engine.prefill import evict, forward, plan_steps, prefill
 from localchat.engine.rope import rope_inv_freq, shift_keys
 from localchat.engine.sampling import GenerationSettings
-from tiny import tiny_llama
 
 
 def _run(model, ids, policy, chunk, positions):

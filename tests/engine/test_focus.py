@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.engine import focus
 from localchat.engine.cache import KVCache
@@ -18,7 +19,6 @@ from localchat.engine.rope import rope_inv_freq
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 from localchat.session import Session
-from tiny import tiny_llama
 
 SETTINGS = GenerationSettings(max_new_tokens=10, temperature=1.5, seed=3, ignore_eos=True)  # sampled: equal text, equal logits
 
@@ -187,7 +187,6 @@ def test_a_saved_chat_stays_valid_when_only_focus_changes(engine):
 def test_smollm2_reads_a_4k_needle_through_the_focused_view(smollm2):
     from localchat.bench.cell import Cell, sample_for
     from localchat.bench.tasks import prompt_messages, score
-
     from localchat.planning.load import policy_for
 
     cell = Cell(task="niah_single", length=4096, policy="locret", budget=1024, n=20, seed=0, model_spec=None,

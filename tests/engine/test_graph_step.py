@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import read_attached, tiny_architecture, tiny_tokenizer
 
 from localchat.engine import graph_step
 from localchat.engine.engine import Decoding, Engine
@@ -16,7 +17,6 @@ from localchat.engine.policies import make_policy
 from localchat.engine.prefill import forward
 from localchat.engine.qattention import FusedDecode
 from localchat.engine.sampling import GenerationSettings
-from tiny import read_attached, tiny_architecture, tiny_tokenizer
 
 LEAN = ["llama", "qwen2", "qwen3"]  # Llama's layout, q/k/v biases, per-head q/k norms (Mistral's is Llama's)
 GRAPH = [*LEAN, "phi3"]  # and Phi-3's q/k/v and gate/up projections in one each

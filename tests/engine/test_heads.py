@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.engine.cache import KVCache
 from localchat.engine.heads import HeadScorer, RetainingHeads
@@ -11,7 +12,6 @@ from localchat.engine.policies import make_policy
 from localchat.engine.prefill import evict, forward, prefill
 from localchat.engine.rope import rope_inv_freq
 from localchat.errors import UserError
-from tiny import tiny_llama
 
 
 def test_scores_are_the_head_of_pre_rope_qkv():

@@ -12,13 +12,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tiny import save_tiny
 
 from localchat.engine import default_model, loading
 from localchat.engine.cards import default_card, find_card
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
 from localchat.errors import ModelError
-from tiny import save_tiny
 
 
 @pytest.fixture(scope="module")

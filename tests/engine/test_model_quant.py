@@ -8,8 +8,8 @@ import torch
 from localchat.bench.tasks import make_sample, prompt_messages, score
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
-from localchat.planning.load import policy_for
 from localchat.engine.sampling import GenerationSettings
+from localchat.planning.load import policy_for
 
 pytestmark = pytest.mark.model
 

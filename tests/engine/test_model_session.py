@@ -7,8 +7,8 @@ import pytest
 
 from localchat.bench.tasks import CHAT_TURNS, as_document, passkey
 from localchat.engine.events import Done
-from localchat.planning.load import policy_for
 from localchat.engine.sampling import GenerationSettings
+from localchat.planning.load import policy_for
 from localchat.session import Session
 
 pytestmark = pytest.mark.model

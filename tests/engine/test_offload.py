@@ -8,18 +8,18 @@ import argparse
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.engine.cache import KVCache, KVLayer
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done, Error
-from localchat.engine.policies.omnikv.bank import Bank, BankLayer, bank_cache
 from localchat.engine.policies import make_policy
 from localchat.engine.policies.omnikv import bank_groups, layer_roles
+from localchat.engine.policies.omnikv.bank import Bank, BankLayer, bank_cache
 from localchat.engine.prefill import forward, prefill
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 from localchat.session import Session
-from tiny import tiny_llama
 
 FILTERS = (1,)  # 6 layers: dense, filter, dense (post-filter), sparse, sparse, sparse
 

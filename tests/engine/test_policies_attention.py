@@ -7,18 +7,18 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_llama
 
 from localchat.engine.cache import KVCache
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
 from localchat.engine.policies import make_policy
+from localchat.engine.policies.attention_stats import Collector, StatsHook
 from localchat.engine.policies.h2o import H2O
 from localchat.engine.policies.sirllm import SirLLM
 from localchat.engine.policies.snapkv import SnapKV
-from localchat.engine.policies.attention_stats import Collector, StatsHook
 from localchat.engine.prefill import cache_kwarg, prefill
 from localchat.engine.sampling import GenerationSettings
-from tiny import tiny_llama
 
 VOCAB, N, FIRST = 300, 40, 24  # a short two-chunk prompt: chunk 1 = 24 tokens, chunk 2 = 16
 

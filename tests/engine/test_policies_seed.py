@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from localchat.engine.cache import KVCache
@@ -13,14 +14,13 @@ from localchat.engine.heads import attention_modules
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.policies.base import PROTECT, follow
 from localchat.engine.policies.corm import important, wanted
-from localchat.engine.policies.omnikv import policy as omnikv
 from localchat.engine.policies.omnikv import filter_layers, layer_roles, select_tokens, uniform_select
+from localchat.engine.policies.omnikv import policy as omnikv
 from localchat.engine.policies.roco import Stats, group_mean, roco_priority, seen_counts
 from localchat.engine.policies.sagekv import select_middle, split
 from localchat.engine.prefill import cache_kwarg, evict_while_decoding, forward, prefill
 from localchat.engine.sampling import GenerationSettings
 from localchat.session import Session
-from tiny import tiny_llama
 
 SEED_POLICIES = ("sagekv", "omnikv", "roco", "corm")
 
@@ -480,8 +480,8 @@ def test_omnikv_filters_are_sorted_and_checked_against_the_depth(tiny_tok):
 
 
 def test_sparse_prefill_flag_is_omnikvs(tiny_engine):
-    from localchat.planning.load import policy_for
     from localchat.errors import UserError
+    from localchat.planning.load import policy_for
 
     assert policy_for(tiny_engine, "omnikv", sparse_prefill=2).prefill_ratio == 2
     assert policy_for(tiny_engine, "omnikv").prefill_ratio == 0

@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from localchat.engine.cache import KVCache
-from localchat.engine.qcache import (QUANT_KEYS, QuantizedKVCache, QuantizedKVLayer, dequantize, kv_bits, pack,
-                                     quantize, unpack)
+from localchat.engine.qcache import (
+    QUANT_KEYS,
+    QuantizedKVCache,
+    QuantizedKVLayer,
+    dequantize,
+    kv_bits,
+    pack,
+    quantize,
+    unpack,
+)
 from localchat.engine.rope import shift_keys
 
 H, D = 2, 16

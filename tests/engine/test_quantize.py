@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_llama
 
 from localchat.args import load_engine
 from localchat.cli import build_parser, main
@@ -16,7 +17,6 @@ from localchat.engine.qcache import QuantizedKVCache
 from localchat.engine.quantize import weight_bytes
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
-from tiny import save_tiny, tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ def test_a_repeated_token_floods_the_budget_and_the_cap_bounds_it(model):
     assert _most_copies(plain, ids, end) > 40  # the flood, without the cap
     assert _most_copies(capped, ids, end) <= 5
     assert capped.get_seq_length() == plain.get_seq_length() == 96 + 8  # still b units, plus the tail
-    assert len(policy.token_ids.pos) <= len(torch.unique(torch.cat([l.positions.reshape(-1) for l in capped.layers]))) + 64
+    assert len(policy.token_ids.pos) <= len(torch.unique(torch.cat([layer.positions.reshape(-1) for layer in capped.layers]))) + 64
 
 
 def test_max_copies_must_not_be_negative(model):

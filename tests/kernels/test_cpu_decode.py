@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from localchat.kernels.fused import rotate as _rotate
 from localchat.kernels import cpu_decode
+from localchat.kernels.fused import rotate as _rotate
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_architecture
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from localchat.kernels import fused
-from tiny import tiny_architecture
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

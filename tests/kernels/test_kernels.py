@@ -255,12 +255,13 @@ def test_dispatch(monkeypatch):
 def test_fused_decode_gives_the_same_answer_as_dequantize_then_sdpa(tiny_tok, positions, monkeypatch):
     """An engine decoding on an int4 cache through the fused attention (torch twin here; Triton on CUDA)
     picks the same tokens as the dequantize-then-SDPA path."""
+    from tiny import tiny_llama
+
     from localchat.engine import qattention
     from localchat.engine.engine import Decoding, Engine
     from localchat.engine.events import Done, Token
     from localchat.engine.policies import make_policy
     from localchat.engine.sampling import GenerationSettings
-    from tiny import tiny_llama
 
     calls = []
     real = qattention.decode_attention

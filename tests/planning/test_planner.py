@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from localchat.planning import planner
 from localchat.cli import main
-from localchat.planning import memory as m
 from localchat.engine.events import Done, Notice
 from localchat.engine.policies import make_policy
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
+from localchat.planning import memory as m
+from localchat.planning import planner
 from localchat.planning.planner import Request, make_plan
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
@@ -46,8 +46,9 @@ def test_tight_memory_lowers_the_budget_to_the_largest_that_fits():
     memory = 8 * m.GIB
     plan = make_plan(s, memory, req, kind="cuda")
     assert plan.budget < 16384 and plan.fits
-    e = lambda b, c: m.estimate(s, budget=b, chunk=c, local=100, max_new=512, weights="nf4", kv="bf16", act="bf16",
-                                d_r=1024, margin=m.GIB, compact=True).total
+    def e(b, c):
+        return m.estimate(s, budget=b, chunk=c, local=100, max_new=512, weights="nf4", kv="bf16", act="bf16",
+                          d_r=1024, margin=m.GIB, compact=True).total
     assert e(plan.budget + 128, 256) > memory  # rounded down to 64 from the true maximum
     assert e(plan.budget, plan.chunk) <= memory
     assert any("lowered" in n for n in plan.notes)
@@ -282,9 +283,10 @@ def test_smollm2_prediction_within_15_percent_of_the_measured_peak(smollm2, tmp_
 
 def test_verify_loads_the_weights_and_kv_it_plans_for(tmp_path):
     """`plan --verify --weights int8 --kv int4` measures an int8 model with an int4 cache, not the default."""
+    from tiny import save_tiny
+
     from localchat.planning.load import load_measured
     from localchat.planning.resolve import resolve
-    from tiny import save_tiny
 
     flags = {"model": str(save_tiny(tmp_path)), "weights": "int8", "kv": "int4", "chunk": 32, "policy": "full",
              "profile": "none"}
@@ -301,9 +303,10 @@ def test_verify_loads_the_weights_and_kv_it_plans_for(tmp_path):
                                     ["--policy", "full"]])
 def test_plan_json_is_what_the_engine_loads_and_runs_with(policy, flags, tmp_path, capsys, monkeypatch):
     """One resolution: `plan --json` prints the RunSpec the engine then runs with, for a model without a card."""
+    from tiny import save_tiny
+
     from localchat.args import load_engine
     from localchat.cli import build_parser
-    from tiny import save_tiny
 
     monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
     argv = ["--model", str(save_tiny(tmp_path / "m")), *policy, *flags]
@@ -350,9 +353,10 @@ def _plan_json(argv, capsys) -> dict:
 def test_plan_chooses_the_precision_the_memory_allows_and_the_engine_loads_it(want, tmp_path, capsys, monkeypatch):
     """Device memory x precision: with exactly the memory `want` needs at the target budget (and every better
     choice needing more), the plan picks `want`, and the engine loads those weights and that cache."""
+    from tiny import save_tiny
+
     from localchat.args import load_engine
     from localchat.cli import build_parser
-    from tiny import save_tiny
 
     monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("LOCALCHAT_MARGIN_MIB", "1")
@@ -431,8 +435,9 @@ def test_verify_plans_a_cheaper_cache_around_a_measured_miss(monkeypatch):
 
 
 def test_profile_tune_saves_budget_and_precision_with_before_and_after(tmp_path, capsys, monkeypatch):
-    from localchat.planning import profiles
     from tiny import save_tiny
+
+    from localchat.planning import profiles
 
     monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
     argv = ["--model", str(save_tiny(tmp_path / "m")), "--policy", "locret", "--heads", "random",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from localchat.planning import profiles
 from localchat.cli import main
-from localchat.planning.memory import GIB, Device
 from localchat.errors import UserError
+from localchat.planning import profiles
+from localchat.planning.memory import GIB, Device
 
 BUILTINS = {"rtx4090", "rtx3090", "rtx4080", "rtx4070", "rtx3060", "rtx4060", "a100-80gb", "h100-80gb", "cpu"}
 CPU = Device("cpu", "Test CPU", 16 * GIB, 8 * GIB)

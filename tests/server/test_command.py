@@ -10,7 +10,6 @@ import sys
 import time
 
 import openai
-
 from tiny import save_tiny
 
 

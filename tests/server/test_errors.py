@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from tiny import tiny_llama
 
 from localchat.cli import main
 from localchat.engine.engine import Engine
 from localchat.engine.policies import policy_class
-from tiny import tiny_llama
 
 QUESTION = [{"role": "user", "content": "hi"}]
 

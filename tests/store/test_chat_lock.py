@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny import save_tiny
 
-from localchat.store.chat_lock import WAIT_ENV, WINDOW, ChatLock, wait_limit
 from localchat.cli import main
 from localchat.errors import UserError
-from tiny import save_tiny
+from localchat.store.chat_lock import WAIT_ENV, WINDOW, ChatLock, wait_limit
 
 FLAGS = ["--policy", "full", "--max-new-tokens", "3"]
 
@@ -199,8 +199,9 @@ def test_concurrent_writers_keep_every_turn_in_order(n, tiny_dir, tmp_path, monk
 def test_the_window_holds_the_chat_it_shows(tiny_engine, tiny_dir, tmp_path, monkeypatch):
     """The window holds the lock of the chat it shows (saved or opened): an `ask` on it is refused in one line, so
     neither side's turn is lost; /new lets it go; the window does not open a chat an `ask` is answering in."""
-    from localchat.tui.widgets.chat_list import ChatList
     from tui_helpers import errors, make_app, run, settle, type_text, wait_for
+
+    from localchat.tui.widgets.chat_list import ChatList
 
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path))
     shown = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_tiny, tiny_llama
 
 from localchat.cli import main
 from localchat.engine.engine import Engine
@@ -23,7 +24,6 @@ from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
 from localchat.session import Session
 from localchat.store import Store
-from tiny import save_tiny, tiny_llama
 
 SETTINGS = GenerationSettings(max_new_tokens=10, temperature=1.5, seed=5, ignore_eos=True)  # sampled: equal answers mean equal logits
 HEADS = {}

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny import tiny_llama
 
 from localchat.engine.engine import Engine
 from localchat.engine.policies import make_policy
 from localchat.store import ORPHAN_GRACE, Store
-from tiny import tiny_llama
 
 DRIVER = textwrap.dedent("""
     import os, sys, time

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from tiny import tiny_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from localchat.train.labels import extract
-from tiny import tiny_llama
 
 
 def _reference(model, prompt, answer):

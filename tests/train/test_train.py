@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import tiny_llama
 
 from localchat.engine.heads import HeadScorer, RetainingHeads, head_shape, import_official
 from localchat.errors import UserError
 from localchat.train.loop import SMOOTH, Recipe, loss_fn, overlap, predict, train
-from tiny import tiny_llama
 
 
 def test_loss_matches_a_hand_computation():

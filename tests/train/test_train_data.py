@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
+from tiny import tiny_llama
 
 from localchat.bench.corpus import split_of
 from localchat.engine.engine import Engine
 from localchat.train import dataset
 from localchat.train.data import KINDS, make_sample, make_samples
 from localchat.train.sources import _files, source_text
-from tiny import tiny_llama
 
 
 def test_every_kind_hides_its_answer_in_the_document(tiny_tok):

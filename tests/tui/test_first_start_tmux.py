@@ -14,8 +14,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from fetch_helpers import closed_port, pip_env
+
 from localchat.engine.cards import default_card
 from localchat.engine.default_model import ensure_gguf
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import sys
 import threading
 
+from fetch_helpers import closed_port, pip_at
 from textual.widgets import Label, ProgressBar
+from tui_helpers import errors, make_app, notes, run, settle, status, type_text, wait_for
 
 from localchat.engine.default_model import Step, ensure_default_model
 from localchat.tui.widgets.loading import LoadProgress
-from fetch_helpers import closed_port, pip_at
-from tui_helpers import errors, make_app, notes, run, settle, status, type_text, wait_for
 
 
 def stage(app) -> str:

@@ -6,14 +6,28 @@ import time
 from pathlib import Path
 
 import pytest
+from tui_helpers import (
+    answers,
+    chips,
+    errors,
+    key,
+    make_app,
+    notes,
+    paste,
+    record_events,
+    run,
+    settle,
+    status,
+    type_text,
+    users,
+    wait_for,
+)
 
 from localchat.engine.events import Done, Progress, Token
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.tui.widgets.chat_list import ChatList
 from localchat.tui.widgets.progress import PrefillProgress
 from localchat.tui.widgets.retained import RetainedMap
-from tui_helpers import (answers, chips, errors, key, make_app, notes, paste, record_events, run, settle, status,
-                         type_text, users, wait_for)
 
 
 def doc(tmp_path, name="notes.txt", size=3000) -> Path:
@@ -445,8 +459,8 @@ def test_every_key_reaches_its_action_while_typing(tiny_engine):
     async def scenario(app, pilot):
         assert app.screen.prompt.has_focus
         active = app.screen.active_bindings
-        for ident, (key, action, _) in DEFAULT_KEYS.items():
-            assert key in active and active[key].binding.action == action, ident  # not shadowed by the input
+        for ident, (pressed, action, _) in DEFAULT_KEYS.items():
+            assert pressed in active and active[pressed].binding.action == action, ident  # not shadowed by the input
 
     run(scenario, make_app(tiny_engine))
 

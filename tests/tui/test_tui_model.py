@@ -4,12 +4,12 @@ the pass key, see the progress bar and the streamed answer, then a follow-up tha
 from __future__ import annotations
 
 import pytest
+from tui_helpers import answers, chips, make_app, paste, record_events, run, settle, type_text, wait_for
 
 from localchat.bench.tasks import passkey
 from localchat.engine.events import Done, Progress
 from localchat.engine.sampling import GenerationSettings
 from localchat.tui.widgets.progress import PrefillProgress
-from tui_helpers import answers, chips, make_app, paste, record_events, run, settle, type_text, wait_for
 
 
 @pytest.mark.model

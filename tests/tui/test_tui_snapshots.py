@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from textual import events
+
 from localchat.engine.sampling import GenerationSettings
 from localchat.tui.app import LocalChatApp
-from textual import events
 
 SIZE = (110, 32)
 

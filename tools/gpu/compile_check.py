@@ -41,7 +41,6 @@ os.environ["LOCALCHAT_KERNELS"] = "triton"
 
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
 from triton_aot import compile_all, spec  # noqa: E402 - beside this file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -105,7 +105,7 @@ def summary(rows: list[dict], command: str) -> str:
             if not cell:
                 lines.append(f"| {task} | {length} | {offload} | every chat failed: see offload.jsonl |||||")
                 continue
-            med = lambda key: sorted(r[key] for r in cell)[len(cell) // 2]  # noqa: E731
+            med = lambda key, cell=cell: sorted(r[key] for r in cell)[len(cell) // 2]  # noqa: E731
             lines.append(f"| {task} | {length} | {offload} | {sum(r['score'] for r in cell) / len(cell):.2f} | "
                          f"{med('peak_memory_bytes') / 2**20:,.1f} | {med('prefill_s'):.2f} | {med('decode_tps'):.1f} "
                          f"| {med('followup_prefill_s'):.2f} |")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from localchat.engine.attention import AttentionSwitch, sdpa
 
 STATS_IMPL = "localchat_stats"

@@ -18,12 +18,12 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from localchat.engine.events import Done, Error, Notice, Progress, Token
+from localchat.errors import first_line
 from localchat.tui import commands, heap, keys
 from localchat.tui.attachments import Attachments
 from localchat.tui.events import EngineEvent, EngineLoaded, TurnEnded
 from localchat.tui.handlers import CommandHandlers
 from localchat.tui.saved_chats import SavedChats
-from localchat.tui.text import one_line
 from localchat.tui.widgets.chat_list import ChatList
 from localchat.tui.widgets.chips import ChipBar, chip_label
 from localchat.tui.widgets.loading import LoadProgress
@@ -136,7 +136,7 @@ class ChatScreen(CommandHandlers, Attachments, SavedChats, Screen):
         try:
             engine = self.app.loader()
         except Exception as exc:  # noqa: BLE001 - shown in the chat; the app stays up
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            first = first_line(exc)
             if isinstance(exc, FetchError):  # it says what to do
                 text = f"{first}. Commands still work."
             else:

@@ -88,7 +88,7 @@ class BankLayer(DynamicLayer):
     """One offloaded layer: K and V `Pages` on the host (slots < banked), `tk`/`tv` `[1, H, cap, d]` on the
     device (slots banked .. banked + tail)."""
 
-    def __init__(self, bank: "Bank", layer_idx: int, reserve: int = 0):
+    def __init__(self, bank: Bank, layer_idx: int, reserve: int = 0):
         super().__init__()
         self.bank, self.layer_idx, self.reserve = bank, layer_idx, reserve
         self.hk: Pages | None = None
