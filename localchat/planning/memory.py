@@ -1,12 +1,17 @@
 """Memory: what this machine has (detection, a fingerprint) and what a model needs (the memory model).
 
 The memory model (docs/design.md §3, docs/methods/locret.md §2.6) in bytes:
-  weights      parameters x bytes per parameter (4-bit: linear layers only, 0.5 byte + one fp32 scale per 64)
-  kv           (budget + chunk + n_loc + max_new) units x layers x KV heads x (K + V at the cache dtype
+  weights      parameters x bytes per parameter (4-bit: linear layers only, 0.5 byte + one fp32 scale per 64);
+               MoE experts, linear-attention projections and a vision tower the causal-LM class loads counted
+  kv           (budget + chunk + n_loc + max_new) units x global layers x KV heads x (K + V at the cache dtype
                + an fp32 score + an int64 position + in compact bf16/fp16 the key's int8 remainder): what
                engine/cache.py allocates. A quantized cache
                (engine/qcache.py) holds packed codes + an fp16 scale and zero per group instead of K + V,
-               and a full-precision tail of chunk + RESIDUAL units per layer
+               and a full-precision tail of chunk + RESIDUAL units per global layer
+  window       a hybrid's sliding-window layers: (window - 1 + chunk) plain units each while a chunk is read
+               (window - 1 after), never more, whatever the document
+  state        a hybrid's linear-attention layers (Gated DeltaNet): a fixed recurrent state (fp32) and
+               convolution state each, whatever the document
   kv copy      a quantized cache only: each forward reads one layer's units through a full-precision copy
                (keys and values at the activation dtype, dequantized BLOCK_UNITS at a time), then frees it
   activations  one chunk through one layer (residual, norm, q/k/v, MLP gate/up/product) + last logits
@@ -27,6 +32,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from localchat.engine.layer_kinds import STATE, WINDOW, LayerKind, layer_kinds
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -44,7 +51,8 @@ BLOCK_UNITS = 1024  # units a quantized layer dequantizes at a time
 
 def dtype_name(dtype) -> str:
     """A torch dtype's name in this memory model: fp32, fp16, else bf16."""
-    return {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(dtype), "bf16")
+    name = str(dtype).removeprefix("torch.")
+    return {"float32": "fp32", "float16": "fp16"}.get(name, "bf16")
 
 
 def dtype_bits(name: str) -> int:
@@ -171,6 +179,33 @@ def _cuda_device(torch) -> Device:
 
 # --- the model's shape ------------------------------------------------------------------------------
 
+# transformers' defaults for the fields a published config.json may leave out (google/gemma-3-*'s text_config
+# names only what differs from them); tests/planning/test_hybrid.py keeps them equal to transformers' own
+CONFIG_DEFAULTS = {
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "tie_word_embeddings": True, "attention_bias": False,
+                    "sliding_window": 4096},
+    "gpt_oss": {"sliding_window": 128, "tie_word_embeddings": False, "attention_bias": True},
+    "siglip_vision_model": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                            "num_channels": 3, "image_size": 224, "patch_size": 16},
+}
+NORMS = {"gemma3_text": 4}  # RMSNorms per decoder layer (input, post-attention, pre- and post-feed-forward)
+QK_NORM = ("gemma3_text", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+GATED = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # q_proj makes the query and its output gate
+VISION = ("gemma3",)  # multimodal types whose causal-LM class loads the vision tower (transformers' auto mapping)
+
+
+def config_dict(cfg) -> dict:
+    """A config.json dict or a transformers config as one flat dict of the decoder's fields: a multimodal
+    config's text_config over its own fields (`model_type` the text's, `outer_type` the checkpoint's),
+    transformers' defaults where the file names none."""
+    if not isinstance(cfg, dict):
+        cfg = cfg.to_dict()
+    text = cfg.get("text_config")
+    flat = {**cfg, **text, "outer_type": cfg.get("model_type")} if isinstance(text, dict) else dict(cfg)
+    return {**CONFIG_DEFAULTS.get(str(flat.get("model_type") or ""), {}), **flat}
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -182,52 +217,139 @@ class Shape:
     vocab: int
     intermediate: int
     tied: bool
-    attn_bias: bool = False  # Qwen2: biases on q, k, v
+    attn_bias: bool = False  # biases on q, k, v (Qwen2; gpt-oss also on o: o_bias)
     window: int = 0  # max_position_embeddings
     name: str = "model"
+    kinds: tuple[LayerKind, ...] = ()  # one per layer (engine/layer_kinds.py); () = every layer global
+    o_bias: bool = False  # a bias on the attention output too (attention_bias outside Qwen2)
+    q_gate: bool = False  # the query projection also makes an output gate (Qwen3-Next, Qwen3.5)
+    qk_norm: bool = False  # RMSNorms of head_dim on queries and keys
+    sinks: bool = False  # one attention-sink logit per query head (gpt-oss)
+    norms: int = 2  # RMSNorms of `hidden` per layer
+    experts: int = 0  # routed experts per MoE layer (0: dense MLPs)
+    top_k: int = 0  # experts a token goes through
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # the shared expert (Qwen3-Next, Qwen3.5-MoE), with its one-unit gate
+    expert_bias: bool = False  # biases on the experts and the router (gpt-oss)
+    dense_layers: int = 0  # MoE models: layers with a dense MLP instead (Qwen3-Next's mlp_only_layers)
+    linear: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # Gated DeltaNet: k heads, v heads, k dim, v dim, conv kernel
+    state_dtype: str = "fp32"  # the recurrent state's (transformers keeps it in fp32: mamba_ssm_dtype)
+    vision: int = 0  # parameters of a vision tower the causal-LM class loads beside the text model
 
     @classmethod
-    def from_config(cls, cfg, name: str = "model") -> "Shape":
-        """From a transformers config object or a config.json dict."""
-        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+    def from_config(cls, cfg, name: str = "model") -> Shape:
+        """From a transformers config object or a config.json dict (a multimodal one: its text_config)."""
+        c = config_dict(cfg)
+        get = c.get
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        kind = str(get("model_type") or "")
         bias = get("attention_bias")
         if bias is None:
-            bias = get("model_type") == "qwen2"
+            bias = kind == "qwen2"
+        kinds = tuple(layer_kinds(c))
+        experts = int(get("num_local_experts") or get("num_experts") or 0)
+        sparse = [i for i in range(len(kinds)) if experts and i not in (get("mlp_only_layers") or [])
+                  and (i + 1) % int(get("decoder_sparse_step") or 1) == 0]
+        linear = tuple(int(get(k) or 0) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                                  "linear_value_head_dim", "linear_conv_kernel_dim"))
         return cls(
             layers=int(get("num_hidden_layers")), hidden=hidden, q_heads=heads,
             kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim") or hidden // heads),
-            vocab=int(get("vocab_size")), intermediate=int(get("intermediate_size")),
+            vocab=int(get("vocab_size")), intermediate=int(get("intermediate_size") or 0),
             tied=bool(get("tie_word_embeddings", False)), attn_bias=bool(bias),
             window=int(get("max_position_embeddings") or 0), name=name,
+            kinds=kinds if any(not k.grows for k in kinds) else (),
+            o_bias=bool(bias) and kind != "qwen2", q_gate=kind in GATED,
+            qk_norm=kind in QK_NORM, sinks=kind == "gpt_oss", norms=NORMS.get(kind, 2),
+            experts=experts, top_k=int(get("num_experts_per_tok") or get("experts_per_token") or 0) if experts else 0,
+            expert_intermediate=int(get("moe_intermediate_size") or get("intermediate_size") or 0) if experts else 0,
+            shared_intermediate=int(get("shared_expert_intermediate_size") or 0) if experts else 0,
+            expert_bias=kind == "gpt_oss", dense_layers=len(kinds) - len(sparse) if experts else 0,
+            linear=linear if linear[1] else (0, 0, 0, 0, 0),
+            state_dtype=dtype_name(get("mamba_ssm_dtype") or "float32"),
+            vision=_vision_params(get("vision_config"), hidden) if get("outer_type") in VISION else 0,
         )
 
     @classmethod
-    def from_card(cls, card) -> "Shape | None":
-        """From a model card's [shape] table (no config file, no network); None when the card lacks a field."""
+    def from_card(cls, card) -> Shape | None:
+        """From a model card's [shape] table (no config file, no network); None when the card lacks a field. A
+        hybrid card names its `sliding_window` and `global_layers` (the others slide); the config.json fields of
+        experts, linear attention or a vision tower go in [shape.config], nested as in the file."""
         s = card.shape
         keys = ("layers", "hidden", "q_heads", "kv_heads", "head_dim", "vocab", "intermediate", "tied", "native_window")
         if not all(k in s for k in keys):
             return None
-        return cls(layers=int(s["layers"]), hidden=int(s["hidden"]), q_heads=int(s["q_heads"]),
-                   kv_heads=int(s["kv_heads"]), head_dim=int(s["head_dim"]), vocab=int(s["vocab"]),
-                   intermediate=int(s["intermediate"]), tied=bool(s["tied"]), attn_bias=bool(s.get("attn_bias", False)),
-                   window=int(s["native_window"]), name=card.name)
+        names = {"layers": "num_hidden_layers", "hidden": "hidden_size", "q_heads": "num_attention_heads",
+                 "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab": "vocab_size",
+                 "intermediate": "intermediate_size", "tied": "tie_word_embeddings", "attn_bias": "attention_bias",
+                 "native_window": "max_position_embeddings", "model_type": "model_type"}
+        cfg = {config: s[key] for key, config in names.items() if key in s}
+        cfg.setdefault("attention_bias", False)
+        if s.get("sliding_window"):
+            cfg["sliding_window"] = s["sliding_window"]
+        if "global_layers" in s:
+            cfg["layer_types"] = ["full_attention" if i in s["global_layers"] else "sliding_attention"
+                                  for i in range(int(s["layers"]))]
+        return cls.from_config({**cfg, **s.get("config", {})}, name=card.name)
+
+    @property
+    def global_layers(self) -> int:
+        """Layers whose cache grows with the document: every layer but a hybrid's window and state layers."""
+        return sum(k.grows for k in self.kinds) if self.kinds else self.layers
+
+    def of_kind(self, kind: str) -> list[LayerKind]:
+        return [k for k in self.kinds if k.kind == kind]
+
+    @property
+    def mlp_width(self) -> int:
+        """A token's MLP activations: the dense MLP's, or the experts' it goes through and the shared one's."""
+        moe = self.top_k * self.expert_intermediate + self.shared_intermediate
+        return max(self.intermediate if self.dense_layers or not self.experts else 0, moe if self.experts else 0)
 
     def params(self) -> dict[str, int]:
-        """Parameter counts: `embed`, `lm_head` (0 when tied), `linear` (attention + MLP), `other` (norms, biases)."""
-        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        linear = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
-        bias = (q + 2 * kv) if self.attn_bias else 0
+        """Parameter counts: `embed`, `lm_head` (0 when tied), `linear` (attention, linear attention, MLPs and
+        experts), `other` (norms, biases, sinks, routers, convolutions, a vision tower)."""
+        h, d = self.hidden, self.head_dim
+        q, kv = self.q_heads * d, self.kv_heads * d
+        attention = h * (q * (2 if self.q_gate else 1) + 2 * kv) + q * h
+        attention_other = ((q + 2 * kv) if self.attn_bias else 0) + (h if self.o_bias else 0) \
+            + (2 * d if self.qk_norm else 0) + (self.q_heads if self.sinks else 0)
+        kh, vh, kd, vd, kernel = self.linear
+        state_layers = len(self.of_kind(STATE))
+        qkvz = 2 * kh * kd + 2 * vh * vd
+        linear_attn = h * (qkvz + 2 * vh) + vh * vd * h  # in_proj_qkvz + in_proj_ba, out_proj
+        linear_other = (2 * kh * kd + vh * vd) * kernel + 2 * vh + vd  # conv1d, dt_bias + A_log, gated norm
+        attention_layers = self.layers - state_layers
+        dense = 3 * h * self.intermediate
+        moe_layers = self.layers - self.dense_layers if self.experts else 0
+        experts = self.experts * 3 * h * self.expert_intermediate + (3 * h * self.shared_intermediate + h
+                                                                      if self.shared_intermediate else 0)
+        moe_other = self.experts * h + (self.experts * (2 * self.expert_intermediate + h) + self.experts
+                                        if self.expert_bias else 0)
+        mlp = moe_layers * experts + (self.layers - moe_layers) * dense
         return {
-            "embed": self.vocab * self.hidden,
-            "lm_head": 0 if self.tied else self.vocab * self.hidden,
-            "linear": self.layers * linear,
-            "other": self.layers * (2 * self.hidden + bias) + self.hidden,
+            "embed": self.vocab * h,
+            "lm_head": 0 if self.tied else self.vocab * h,
+            "linear": attention_layers * attention + state_layers * linear_attn + mlp,
+            "other": attention_layers * attention_other + state_layers * linear_other + moe_layers * moe_other
+            + self.layers * self.norms * h + h + self.vision,
         }
 
     def total_params(self) -> int:
         return sum(self.params().values())
+
+
+def _vision_params(vision: dict | None, text_hidden: int) -> int:
+    """A SigLIP vision tower (patch and position embeddings, its encoder layers, the final norm) and Gemma 3's
+    projector into the text model (a matrix and an RMSNorm)."""
+    if not isinstance(vision, dict):
+        return 0
+    v = {**CONFIG_DEFAULTS["siglip_vision_model"], **vision}
+    h, inter, patch = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"])
+    patches = (int(v["image_size"]) // patch) ** 2
+    embeddings = int(v["num_channels"]) * patch * patch * h + h + patches * h
+    layer = 4 * (h * h + h) + 2 * (h * inter) + inter + h + 4 * h
+    return embeddings + int(v["num_hidden_layers"]) * layer + 2 * h + h * text_hidden + h
 
 
 def read_config(path: str | Path) -> dict:
@@ -266,15 +388,41 @@ def weight_bytes(shape: Shape, weights: str = "bf16", act: str = "bf16", kind: s
 
 
 def kv_unit_bytes(shape: Shape, kv: str = "bf16", compact: bool = False) -> int:
-    """One unit in every layer and KV head: K and V at `kv` (quantized: packed codes with an fp16 scale and
-    zero per group of head_dim), an fp32 score and an int64 position; in compact positions at bf16/fp16, the
-    key's int8 remainder that keeps re-rotated keys exact (engine/cache.py)."""
+    """One unit in every layer whose cache grows (a hybrid's global layers) and KV head: K and V at `kv`
+    (quantized: packed codes with an fp16 scale and zero per group of head_dim), an fp32 score and an int64
+    position; in compact positions at bf16/fp16, the key's int8 remainder that keeps re-rotated keys exact
+    (engine/cache.py)."""
+    return int(round(shape.global_layers * shape.kv_heads * _head_bytes(shape, kv, compact)))
+
+
+def _head_bytes(shape: Shape, kv: str, compact: bool) -> float:
+    """One unit in one layer and KV head (kv_unit_bytes)."""
     d = shape.head_dim
     if quantized(kv):
-        per_head = 2 * d * dtype_bits(kv) // 8 + 4 * (d // group_size(d)) * 2 + 4 + 8
-    else:
-        per_head = 2 * d * elem_bytes(kv) + 4 + 8 + _rest_bytes(shape, kv, compact)
-    return int(round(shape.layers * shape.kv_heads * per_head))
+        return 2 * d * dtype_bits(kv) // 8 + 4 * (d // group_size(d)) * 2 + 4 + 8
+    return 2 * d * elem_bytes(kv) + 4 + 8 + _rest_bytes(shape, kv, compact)
+
+
+def window_units(shape: Shape, chunk: int) -> int:
+    """Units the window layers hold at most, over all of them: each its window - 1 past units and, while a chunk
+    is read, that chunk's (a window layer never holds more, however long the document)."""
+    return sum(k.window - 1 + chunk for k in shape.of_kind(WINDOW))
+
+
+def window_bytes(shape: Shape, act: str, chunk: int, compact: bool = False) -> int:
+    """The window layers' cache while a chunk is read (window_units): plain units at the activations' dtype
+    (a quantized cache packs what eviction keeps, never a window), with their score and position."""
+    return int(round(window_units(shape, chunk) * shape.kv_heads * _head_bytes(shape, act, compact)))
+
+
+def state_bytes(shape: Shape, act: str) -> int:
+    """The linear-attention layers' fixed state (transformers' Gated DeltaNet, models/qwen3_next): per layer a
+    recurrent state [v heads, k dim, v dim] at `state_dtype` (fp32) and a convolution state
+    [2 x k heads x k dim + v heads x v dim, conv kernel] at the activations' dtype."""
+    kh, vh, kd, vd, kernel = shape.linear
+    recurrent = vh * kd * vd * elem_bytes(shape.state_dtype)
+    conv = (2 * kh * kd + vh * vd) * kernel * elem_bytes(act)
+    return int(len(shape.of_kind(STATE)) * (recurrent + conv))
 
 
 def group_size(head_dim: int) -> int:
@@ -291,10 +439,11 @@ def _rest_bytes(shape: Shape, kv: str, compact: bool) -> int:
 
 
 def kv_tail_bytes(shape: Shape, kv: str, act: str, chunk: int) -> int:
-    """A quantized cache's full-precision tail (chunk + RESIDUAL units per layer, at `act`); 0 for a plain one."""
+    """A quantized cache's full-precision tail (chunk + RESIDUAL units per global layer, at `act`); 0 for a
+    plain one."""
     if not quantized(kv):
         return 0
-    return int((chunk + RESIDUAL) * shape.layers * shape.kv_heads * 2 * shape.head_dim * elem_bytes(act))
+    return int((chunk + RESIDUAL) * shape.global_layers * shape.kv_heads * 2 * shape.head_dim * elem_bytes(act))
 
 
 def evict_bytes(shape: Shape, kv: str, act: str, budget: int, *, per_head: bool, compact: bool) -> int:
@@ -302,7 +451,7 @@ def evict_bytes(shape: Shape, kv: str, act: str, budget: int, *, per_head: bool,
     gathers packed rows (every head); a plain one gathers K and V (and, compact in bf16/fp16, the remainders),
     one KV head at a time on the CPU with the rotation's fp32 temporaries, every head at once on a GPU."""
     if quantized(kv):
-        return budget * (kv_unit_bytes(shape, kv) // shape.layers)
+        return budget * (kv_unit_bytes(shape, kv) // max(shape.global_layers, 1))
     d, heads = shape.head_dim, 1 if per_head else shape.kv_heads
     kept = 2 * d * elem_bytes(kv) + _rest_bytes(shape, kv, compact)
     rotation = 6 * d * 4 if compact and per_head else 0  # fp32 key, cos/sin halves, rotated halves (kernels/rope.py)
@@ -334,33 +483,41 @@ def kv_units(budget: int, chunk: int, local: int, max_new: int) -> int:
 
 
 def activation_bytes(shape: Shape, chunk: int, act: str = "bf16") -> int:
-    """One chunk through one layer (freed layer by layer) plus the last position's fp32 logits."""
-    q, kv = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_token = 4 * shape.hidden + 3 * shape.intermediate + q + 2 * kv
-    return int(chunk * per_token * elem_bytes(act)) + 4 * shape.vocab
+    """One chunk through one layer (freed layer by layer: the widest kind's) plus the last position's fp32
+    logits. A linear-attention layer adds the fp32 working set of transformers' chunked gated delta rule."""
+    q, kv = shape.q_heads * shape.head_dim * (2 if shape.q_gate else 1), shape.kv_heads * shape.head_dim
+    per_token = (4 * shape.hidden + 3 * shape.mlp_width + q + 2 * kv) * elem_bytes(act)
+    kh, vh, kd, vd, _ = shape.linear
+    if shape.of_kind(STATE):
+        projected = (4 * shape.hidden + 3 * shape.mlp_width + 2 * kh * kd + 2 * vh * vd + 2 * vh) * elem_bytes(act)
+        # q, k (repeated to the v heads), v, k_beta, v_beta, the solved values and decayed keys, the output, and
+        # three 64 x 64 within-chunk matrices per 64 tokens, in fp32 (qwen3_next's torch_chunk_gated_delta_rule)
+        per_token = max(per_token, projected + 4 * vh * (6 * kd + 4 * vd + 3 * 64))
+    return int(chunk * per_token) + 4 * shape.vocab
 
 
 def scratch_bytes(shape: Shape, chunk: int, kv_len: int, act: str = "bf16") -> int:
-    """One chunk's attention: K and V repeated to the query heads over `kv_len` keys, the boolean mask,
-    and the attention output. No attention matrix: SDPA's kernels work in blocks."""
+    """One chunk's attention in a global layer: K and V repeated to the query heads over `kv_len` keys, the
+    boolean mask, and the attention output. No attention matrix: SDPA's kernels work in blocks."""
     repeated = 2 * shape.q_heads * kv_len * shape.head_dim * elem_bytes(act) if shape.q_heads != shape.kv_heads else 0
     return int(repeated + chunk * kv_len + chunk * shape.q_heads * shape.head_dim * elem_bytes(act))
 
 
 def heads_bytes(shape: Shape, d_r: int, chunk: int, act: str = "bf16") -> int:
-    """Retaining heads: weights (stored at the model's dtype) and one chunk's input and hidden layer."""
+    """Retaining heads (one per layer the policy scores: a hybrid's global layers): weights (stored at the
+    model's dtype) and one chunk's input and hidden layer."""
     if d_r <= 0:
         return 0
     in_dim = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
     b = elem_bytes(act)
-    weights = shape.layers * (in_dim * d_r + d_r * shape.kv_heads) * b
+    weights = shape.global_layers * (in_dim * d_r + d_r * shape.kv_heads) * b
     return int(weights + chunk * (in_dim + d_r) * b)
 
 
 @dataclass
 class Estimate:
     weights: int
-    kv: int
+    kv: int  # the layers whose cache grows with the document (a hybrid's global layers)
     activations: int
     scratch: int
     heads: int
@@ -369,19 +526,29 @@ class Estimate:
     scores: int = 0  # what the policy's scoring adds (attention rows in fp32, CORM's messages)
     kv_copy: int = 0  # a quantized cache's full-precision copy of one layer during a forward
     evict: int = 0  # an eviction's scratch in one layer (evict_bytes)
+    window: int = 0  # a hybrid's sliding-window layers while a chunk is read (window_bytes)
+    state: int = 0  # a hybrid's linear-attention layers' fixed state (state_bytes)
 
     @property
     def used(self) -> int:
         """Peak bytes the engine itself uses (everything but the margin)."""
         transient = max(self.activations + self.scratch + self.kv_copy, self.evict)  # a forward, or an eviction
-        return self.weights + self.kv + transient + self.heads + self.scores
+        return self.weights + self.kv + self.window + self.state + transient + self.heads + self.scores
 
     @property
     def total(self) -> int:
         return self.used + self.margin
 
+    @property
+    def cache(self) -> int:
+        """The whole cache: the growing layers', the windows and the fixed state."""
+        return self.kv + self.window + self.state
+
     def rows(self) -> list[tuple[str, int]]:
-        rows = [("weights", self.weights), ("KV cache", self.kv)]
+        hybrid = self.window or self.state
+        rows = [("weights", self.weights), ("KV cache (global)" if hybrid else "KV cache", self.kv)]
+        rows += [("KV cache (window)", self.window)] if self.window else []
+        rows += [("linear state", self.state)] if self.state else []
         rows += [("KV copy (1 layer)", self.kv_copy)] if self.kv_copy else []
         rows += [("activations", self.activations), ("attention scratch", self.scratch)]
         forward = self.activations + self.scratch + self.kv_copy  # the rows add up to the total:
@@ -394,18 +561,22 @@ def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: 
              kv: str = "bf16", act: str = "bf16", d_r: int = 0, margin: int = 0,
              weights_exact: int | None = None, policy=None, compact: bool = False, kind: str = "cuda") -> Estimate:
     """Peak memory of a LOCRET prefill + answer at these settings. `weights_exact`: the loaded model's bytes;
-    `policy`: the Policy, whose scoring may need memory of its own (its `score_bytes`), or None."""
+    `policy`: the Policy, whose scoring may need memory of its own (its `score_bytes`), or None. The budget
+    bounds the global layers; a hybrid's window layers hold their window and the chunk being read, its
+    linear-attention layers their fixed state, whatever the budget or the document."""
     units = kv_units(budget, chunk, local, max_new)
     return Estimate(
         weights=weights_exact if weights_exact is not None else weight_bytes(shape, weights, act, kind),
         kv=units * kv_unit_bytes(shape, kv, compact) + kv_tail_bytes(shape, kv, act, chunk),
+        window=window_bytes(shape, act, max(chunk, 1), compact),
+        state=state_bytes(shape, act),
         kv_copy=kv_copy_bytes(shape, kv, act, budget + local + max(chunk, max_new)),
         evict=evict_bytes(shape, kv, act, budget + local, per_head=kind == "cpu", compact=compact),
         activations=activation_bytes(shape, chunk, act),
         scratch=scratch_bytes(shape, chunk, budget + chunk + local, act),
         heads=heads_bytes(shape, d_r, chunk, act),
         margin=margin,
-        scores=policy.score_bytes(shape.layers, shape.q_heads, shape.kv_heads, chunk, budget + chunk + local)
+        scores=policy.score_bytes(shape.global_layers, shape.q_heads, shape.kv_heads, chunk, budget + chunk + local)
         if policy is not None else 0,
     )
 

@@ -22,9 +22,9 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
+from localchat.engine.layer_kinds import summary
 from localchat.errors import UserError
-from localchat.planning.memory import (GIB, MIB, Device, Estimate, Shape, estimate, kv_unit_bytes, quantized,
-                                       split_bytes)
+from localchat.planning.memory import GIB, MIB, Device, Estimate, Shape, estimate, kv_unit_bytes, quantized, split_bytes
 
 CHUNKS = (256, 512, 1024, 2048, 4096)  # candidate chunk sizes, smallest first
 DEFAULT_TARGET = 16384  # budget target without a model card (LOCRET's Llama-3.1-8B setting)
@@ -78,7 +78,7 @@ def decode_speed(kind: str) -> dict[str, float]:
     return dict(DECODE_SPEED.get(cpu_class() if kind == "cpu" else kind, {}))
 
 
-def decode_choices(plan: "Plan", held: tuple[str, ...] = ()) -> tuple[str, ...]:
+def decode_choices(plan: Plan, held: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The weights whose decode speed `profile tune` measures when the plan chooses the weights: full precision
     and the weights measured to answer as it does (`held`); on CUDA every choice that fits the memory (LLM.int8's
     slowness is the machine's to measure), none that does not."""
@@ -125,7 +125,7 @@ class Request:
         """The retained cache's dtype name: the activations' when it is not quantized."""
         return self.act if self.kv in (None, "none") else self.kv
 
-    def at(self, weights: str, kv: str) -> "Request":
+    def at(self, weights: str, kv: str) -> Request:
         """This request with the precision fixed (float weights carry their own activation dtype)."""
         return replace(self, weights=weights, kv=kv, act=weights if weights in FLOATS else self.act)
 
@@ -194,6 +194,8 @@ class Plan:
         r, e = self.request, self.estimate
         out = [f"model        {self.shape.name}: {self.shape.total_params() / 1e9:.2f}B parameters, "
                f"{self.shape.layers} layers, {self.shape.kv_heads} KV heads x {self.shape.head_dim}",
+               *([f"layers       {summary(list(self.shape.kinds))}: only the global layers' cache grows with the "
+                  f"document"] if self.shape.kinds else []),
                f"memory       {self.memory / GIB:.1f} GiB ({self.memory_source})",
                f"weights      {r.weights}, KV cache {self.kv if self.kv != 'none' else r.kv_dtype()}, "
                f"activations {r.act}{' (chosen by the plan)' if self.chosen else ''}"]
@@ -212,16 +214,18 @@ class Plan:
                 f"local tail   {r.local:,}; answers up to {r.max_new:,} tokens"]
         doc = self.max_document()
         if doc is None:
+            where = " in each global layer" if self.shape.kinds else ""
             out.append(f"documents    any length: the cache stays at {self.budget + self.chunk + r.local + r.max_new:,}"
-                       f" units, so a {LONG_DOC // 1024}K-token document fits")
+                       f" units{where}, so a {LONG_DOC // 1024}K-token document fits")
         elif r.holds_prompt and self.offloaded():
             host = f"{r.host_memory / GIB:.1f} GiB free on this machine" if r.host_memory is not None else "its size unknown"
             out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt: "
                        f"{self.offloaded()} of {self.shape.layers} layers in host memory ({host}), the rest "
                        f"on the GPU; the window and both memories bound it)")
         elif r.holds_prompt:
+            grows = (f"; only its {self.shape.global_layers} global layers grow with it" if self.shape.kinds else "")
             out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt in memory: "
-                       f"the window and the memory bound it, not the budget)")
+                       f"the window and the memory bound it, not the budget{grows})")
         else:
             out.append(f"documents    up to {doc:,} tokens (original positions: the model's window)")
         if self.offloaded():
@@ -501,8 +505,8 @@ def measure_chunk(engine, budget: int, chunk: int, max_new: int = 0, baseline: i
     loaded); without a baseline, the model's bytes plus the RSS growth during the run."""
     import torch
 
-    from localchat.planning import memory
     from localchat.engine.sampling import GenerationSettings
+    from localchat.planning import memory
 
     p = engine.policy
     n = budget + 2 * chunk + p.local
