@@ -35,8 +35,13 @@ def select(priorities: list[torch.Tensor], keep: int) -> list[torch.Tensor]:
     return [p.topk(keep, dim=-1).indices.sort(dim=-1).values for p in priorities]
 
 
+def _whole(keys, inv_freq) -> bool:
+    """True unless RoPE is partial (the Triton kernels rotate every dim of a head)."""
+    return inv_freq is None or 2 * inv_freq.shape[-1] == keys.shape[-1]
+
+
 def gather_rotate(keys, values, idx, inv_freq=None):
-    if use_triton(keys):
+    if use_triton(keys) and _whole(keys, inv_freq):
         return gather_rotate_triton(keys, values, idx, inv_freq)
     return gather_rotate_torch(keys, values, idx, inv_freq)
 
@@ -56,7 +61,7 @@ def gather_rotate_torch(keys, values, idx, inv_freq=None):
 
 
 def gather_rotate_rest(keys, values, rest, idx, inv_freq):
-    if use_triton(keys):
+    if use_triton(keys) and _whole(keys, inv_freq):
         return gather_rotate_triton(keys, values, idx, inv_freq, rest)
     return gather_rotate_rest_torch(keys, values, rest, idx, inv_freq)
 

@@ -27,9 +27,9 @@ from localchat.kernels.rope import rope_table, rotate
 
 
 def decode_attention(query, quant, tail_k, tail_v, bits: int, group: int, scaling: float, inv_freq=None,
-                     split: "Split | None" = None):
+                     split: Split | None = None):
     """`split`: the Triton kernel's settings (default `Split()`); the twin ignores them."""
-    if use_triton(query):
+    if use_triton(query) and (inv_freq is None or 2 * inv_freq.shape[-1] == query.shape[-1]):  # partial RoPE: twin
         return decode_attention_triton(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq, split)
     return decode_attention_torch(query, quant, tail_k, tail_v, bits, group, scaling, inv_freq)
 

@@ -121,20 +121,22 @@ class Session:
         bins = max(1, min(bins, length))
         per_bin = torch.bincount(torch.arange(length) * bins // length, minlength=bins).float()
         held = torch.zeros(bins)
-        for layer in self.cache.layers:
+        layers = [layer for _, layer in self.cache.governed_layers()]  # what the policy keeps of the document
+        for layer in layers:
             pos = layer.positions.flatten().cpu()
             pos = pos[(pos >= a.start) & (pos < a.end)] - a.start
             held += torch.bincount(pos * bins // length, minlength=bins).float()
-        heads = self.cache.layers[0].positions.shape[0]
-        return (held / (per_bin * heads * len(self.cache.layers))).clamp(max=1.0).tolist()
+        heads = layers[0].positions.shape[0]
+        return (held / (per_bin * heads * len(layers))).clamp(max=1.0).tolist()
 
     def kept_share(self, start: int, end: int) -> float:
         """The share of the units at true positions [start, end) still cached, over layers and KV heads."""
         if self.cache is None or end <= start:
             return 0.0
-        held = sum(int(((layer.positions >= start) & (layer.positions < end)).sum()) for layer in self.cache.layers)
-        heads = self.cache.layers[0].positions.shape[0]
-        return held / ((end - start) * heads * len(self.cache.layers))
+        layers = [layer for _, layer in self.cache.governed_layers()]
+        held = sum(int(((layer.positions >= start) & (layer.positions < end)).sum()) for layer in layers)
+        heads = layers[0].positions.shape[0]
+        return held / ((end - start) * heads * len(layers))
 
     def export_markdown(self) -> str:
         lines = [f"# {self.title()}", "", f"*{self.engine.name}, {self.engine.policy.name} policy*", ""]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import pytest
+from tiny import save_tiny
 
 from localchat.cli import main
-from tiny import save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,16 @@ def test_an_unsupported_architecture_is_refused_before_loading(tmp_path, capsys)
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_a_policy_that_cannot_serve_a_hybrid_is_refused_before_loading(tmp_path, capsys):
+    """Gemma 3 mixes sliding-window and global layers; OmniKV's filter layers assume every layer holds every token."""
+    config = {"model_type": "gemma3_text", "num_hidden_layers": 6, "sliding_window": 512, "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all
+    assert main(["--model", str(tmp_path), "--policy", "omnikv", "ask", "q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "omnikv cannot serve" in err and "1 global, 5 window (512) layers" in err
+
+
 def test_model_dirs_without_weights_and_unreadable_heads_are_one_line_errors(tiny_dir, tmp_path, capsys):
     only_config = tmp_path / "only-config"
     only_config.mkdir()
@@ -98,8 +109,8 @@ def test_model_dirs_without_weights_and_unreadable_heads_are_one_line_errors(tin
     bad_heads = tmp_path / "heads"
     bad_heads.mkdir()
     (bad_heads / "heads.json").write_text('{"d_r": 8}')  # no shape
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(2)}, str(bad_heads / "heads.safetensors"))
     assert main(["--model", tiny_dir, "--policy", "locret", "--heads", str(bad_heads), "ask", "q"]) == 2

@@ -56,7 +56,22 @@ CONFIGS = Path(__file__).parent / "data" / "configs"
 ARCHITECTURES = {  # one row per architecture: a real config file, or the model_type of transformers' own config
     "llama": "llama-3.1-8b-instruct.json", "qwen2": "qwen2.5-7b-instruct.json", "phi3": "phi-3-mini-128k-instruct.json",
     "mistral": {"model_type": "mistral", "sliding_window": None}, "qwen3": {"model_type": "qwen3"},
+    # hybrids: transformers' own configs with their layer patterns, windows small enough for a 1.4K document
+    "gemma3_text": {"model_type": "gemma3_text", "tiny": {
+        "num_hidden_layers": 4, "sliding_window": 64, "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]}},
+    "gpt_oss": {"model_type": "gpt_oss", "tiny": {
+        "num_hidden_layers": 4, "sliding_window": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "attention": "eager"},
+    "qwen3_next": {"model_type": "qwen3_next", "tiny": {
+        "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]}},
+    "smollm3": {"model_type": "smollm3", "tiny": {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}},
 }
+HYBRIDS = ("gemma3_text", "gpt_oss", "qwen3_next", "smollm3")  # layers of more than one kind (or without RoPE)
 
 
 def tiny_architecture(name: str, vocab_size: int):
@@ -67,14 +82,16 @@ def tiny_architecture(name: str, vocab_size: int):
 
     row = ARCHITECTURES[name]
     cfg = dict(row) if isinstance(row, dict) else json.loads((CONFIGS / row).read_text())
+    tiny, attention = cfg.pop("tiny", {}), cfg.pop("attention", "sdpa")
     cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=vocab_size, max_position_embeddings=4096,
                tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     cfg.pop("rope_scaling", None)  # the long-context scalings need the real dimensions; plain RoPE here
     cfg.pop("original_max_position_embeddings", None)
     cfg.pop("auto_map", None)
+    cfg.update(tiny)
     config = AutoConfig.for_model(**cfg)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(config).float().eval()
     m.requires_grad_(False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from localchat.engine.heads import attention_modules
 from localchat.errors import UserError
 
-
 _REGISTERED: set[str] = set()
 
 
@@ -30,15 +29,24 @@ def sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def switchable(model) -> bool:
+    """False when the model's attention holds what SDPA cannot compute (gpt-oss's per-head sinks): its own
+    attention function must stay."""
+    return not any(hasattr(m, "sinks") for m in attention_modules(model) if m is not None)
+
+
 class AttentionSwitch:
     """Switch `model` to the attention function `fn`, registered as `impl`, and set `attr` = `payload` on every
     attention layer (the function reads it there); `close()` restores the model."""
 
     def __init__(self, model, impl: str, attr: str, payload, fn):
+        if not switchable(model):
+            raise UserError(f"{type(model).__name__} has attention sinks that SDPA cannot compute; this policy needs "
+                            f"SDPA: choose another --policy (locret, sirllm, streaming, full)")
         register(impl, fn)
         self.model, self.attr = model, attr
         self.previous = model.config._attn_implementation
-        self.modules = attention_modules(model)
+        self.modules = [m for m in attention_modules(model) if m is not None]
         model.set_attn_implementation(impl)
         if model.config._attn_implementation != impl:
             raise UserError(f"{type(model).__name__} cannot switch its attention function; this policy needs it")

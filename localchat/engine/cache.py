@@ -20,15 +20,23 @@ K+V: `REST_BYTES`, `rest_bytes`) and nothing between evictions. The alternatives
 as they arrived, rotated once per eviction (as exact, +50 % of K+V), or keys kept at their insertion slot
 and rotated at every forward (no memory, but a pass over the whole cache per decoded token). fp32 keeps the
 plain in-place rotation: its rounding does not add up measurably (2e-6 after 256 evictions).
+
+Hybrid models (engine/layer_kinds.py): only the `global` layers grow with the document; the policy scores and
+evicts those (`governed`). A `window` layer (sliding-window attention) is a WindowLayer that keeps its newest
+window - 1 units; a `state` layer (linear attention) is transformers' LinearAttentionLayer with its fixed
+recurrent and convolution state. In compact mode an eviction moves the next position back by the units it
+dropped, so every window layer's keys are rotated back by as many positions (their distances stay exact).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
+from localchat.engine.layer_kinds import GLOBAL, STATE, WINDOW, LayerKind
 from localchat.kernels.evict import gather_rotate, gather_rotate_rest
 from localchat.kernels.keyrest import carries_rest
+from localchat.kernels.rope import shift_keys
 
 POSITION_MODES = ("compact", "original")
 REST_BYTES = 1  # bytes of key remainder per key element, compact positions in bf16/fp16 (kernels/keyrest.py)
@@ -228,22 +236,93 @@ class KVLayer(DynamicLayer):
         return 0 if self._r is None else self.n * self._r.shape[1] * self._r.shape[-1] * REST_BYTES
 
 
-class KVCache(Cache):
-    """`num_layers` KVLayer objects; `positions` is "compact" or "original" (see the module doc)."""
+class WindowLayer(KVLayer):
+    """A sliding-window attention layer: the newest `window - 1` units, never evicted by a policy. It may hold up
+    to `slack` more between trims (`trim`, after each forward): the model's sliding mask hides what lies beyond
+    the window, and decoding does not move the window at every token."""
 
-    def __init__(self, num_layers: int, reserve: int = 0, positions: str = "original", inv_freq=None):
+    is_sliding = True
+    slack = 64
+
+    def __init__(self, window: int, reserve: int = 0):
+        super().__init__(reserve)
+        self.window = window
+
+    def trim(self) -> None:
+        """Keep the newest `window - 1` units once more than `slack` beyond them are held."""
+        keep = self.window - 1
+        if self.n <= keep + self.slack:
+            return
+        drop, n = self.n - keep, self.n
+        for t in (self._k, self._v):
+            t[:, :, :keep] = t[:, :, drop:n].clone()
+        self._s[:, :keep] = self._s[:, drop:n].clone()
+        self._p[:, :keep] = self._p[:, drop:n].clone()
+        if self._r is not None:
+            self._r[:, :, :keep] = self._r[:, :, drop:n].clone()
+        self.n = keep
+
+    def shift(self, delta: int, inv_freq: torch.Tensor | None) -> None:
+        """Rotate every key held by `delta` RoPE positions (compact positions after an eviction; no RoPE: none)."""
+        if inv_freq is None or delta == 0 or self._k is None or self.n == 0:
+            return
+        keys = self._k[:, :, : self.n]
+        rows = torch.full(keys.shape[1:3], delta, device=keys.device)
+        keys.copy_(shift_keys(keys, rows, inv_freq))
+
+
+class KVCache(Cache):
+    """One layer per decoder layer: KVLayer for the layers that grow with the document (the policy's), WindowLayer
+    and LinearAttentionLayer for a hybrid model's others (`kinds`, engine/layer_kinds.py). `positions` is
+    "compact" or "original" (see the module doc); `inv_freq`: the RoPE frequencies, one tensor for every layer
+    or one entry per layer (None: a layer without RoPE)."""
+
+    def __init__(self, num_layers: int, reserve: int = 0, positions: str = "original", inv_freq=None,
+                 kinds: list[LayerKind] | None = None, tail: int = 0):
         if positions not in POSITION_MODES:
             raise ValueError(f"positions must be one of {POSITION_MODES}")
-        if positions == "compact" and inv_freq is None:
+        kinds = list(kinds) if kinds is not None else [LayerKind(GLOBAL)] * num_layers
+        if len(kinds) != num_layers:
+            raise ValueError(f"{len(kinds)} layer kinds for {num_layers} layers")
+        freqs = list(inv_freq) if isinstance(inv_freq, (list, tuple)) else [inv_freq] * num_layers
+        if positions == "compact" and all(f is None for f in freqs):
             raise ValueError("compact positions need the model's RoPE inv_freq")
-        super().__init__(layers=[KVLayer(reserve) for _ in range(num_layers)])
+        self.kinds, self.inv_freqs, self.tail = kinds, freqs, tail
+        self.governed = [i for i, k in enumerate(kinds) if k.grows]
+        super().__init__(layers=[self._layer(k, reserve) for k in kinds])
         self.positions = positions
-        self.inv_freq = inv_freq
+        self.inv_freq = next((freqs[i] for i in self.governed if freqs[i] is not None), None)
         # What a policy keeps beside the cache, e.g. layers whose units live in host memory. It has `device`
         # (where the units are used), `owner` (the policy class that keeps it), `rollback()` (a forward failed:
         # drop what was copied in for it) and `restore(cache)` (another policy takes the cache: bring every
         # unit back as plain layers and end the extension).
         self.extension = None
+
+    def _layer(self, kind: LayerKind, reserve: int):
+        if kind.kind == WINDOW:
+            return WindowLayer(kind.window, min(reserve, kind.window - 1 + max(self.tail, WindowLayer.slack)))
+        if kind.kind == STATE:
+            return LinearAttentionLayer()
+        return self._global_layer(reserve)
+
+    def _global_layer(self, reserve: int) -> KVLayer:
+        return KVLayer(reserve)
+
+    @property
+    def hybrid(self) -> bool:
+        """True when some layer does not grow with the document (a window or a state)."""
+        return len(self.governed) < len(self.layers)
+
+    def governed_layers(self) -> list[tuple[int, KVLayer]]:
+        """(index, layer) of the layers a policy scores and evicts: those whose cache grows with the document."""
+        return [(i, self.layers[i]) for i in self.governed]
+
+    def get_seq_length(self, layer_idx: int | None = None) -> int:
+        """Units a layer holds; without `layer_idx`, what the governed layers hold (the budget's count)."""
+        if layer_idx is None:
+            layer_idx = self.governed[0] if self.governed else 0
+        layer = self.layers[layer_idx]
+        return layer.get_seq_length() if isinstance(layer, DynamicLayer) else 0
 
     def set_pending_positions(self, positions: torch.Tensor) -> None:
         for layer in self.layers:
@@ -254,41 +333,90 @@ class KVCache(Cache):
         return self.get_seq_length() if self.positions == "compact" else true_position
 
     def keep(self, layer_idx: int, idx: torch.Tensor) -> None:
-        self.layers[layer_idx].keep(idx, self.inv_freq if self.positions == "compact" else None)
+        self.layers[layer_idx].keep(idx, self.inv_freqs[layer_idx] if self.positions == "compact" else None)
+
+    def keep_units(self, keeps: list[torch.Tensor]) -> None:
+        """Keep units `keeps[j]` (`[H_kv, k]`, ascending per head) of the j-th governed layer; in compact mode the
+        window layers' keys move back by the units dropped."""
+        before = self.get_seq_length()
+        for i, idx in zip(self.governed, keeps):
+            self.keep(i, idx)
+        if self.positions == "compact":
+            delta = self.get_seq_length() - before
+            for i, layer in enumerate(self.layers):
+                if isinstance(layer, WindowLayer):
+                    layer.shift(delta, self.inv_freqs[i])
+
+    def settle(self) -> None:
+        """After a forward: the window layers drop what lies beyond their windows."""
+        for layer in self.layers:
+            if isinstance(layer, WindowLayer):
+                layer.trim()
 
     def nbytes(self) -> int:
-        """Bytes the units hold: K/V and the key remainders (what the footer shows as KV memory)."""
+        """Bytes the units hold: K/V, the key remainders and the linear layers' states (the footer's KV memory)."""
         rest = sum(layer.rest_nbytes() for layer in self.layers if isinstance(layer, KVLayer))  # not offloaded ones
-        return self.kv_nbytes() + rest
+        return self.kv_nbytes() + rest + sum(t.numel() * t.element_size() for t in _states(self).values())
 
     def kv_nbytes(self) -> int:
         """Bytes of the K/V units alone (what a full-precision unit costs, for the compression figure)."""
-        return sum(layer.nbytes() for layer in self.layers)
+        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, DynamicLayer))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every layer's units as `{"k.0": ..., "v.0": ..., "s.0": ..., "p.0": ..., "k.1": ...}` (views), with
-        `kr.i` where layer i keeps key remainders."""
-        return {f"{name}.{i}": t for i, layer in enumerate(self.layers) for name, t in layer.tensors().items()}
+        `kr.i` where layer i keeps key remainders, and a linear layer's states as `conv.i` and `rec.i`."""
+        units = {f"{name}.{i}": t for i, layer in enumerate(self.layers) if isinstance(layer, DynamicLayer)
+                 for name, t in layer.tensors().items()}
+        return {**units, **_states(self)}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Hold the units of `tensors()` output (copied in); layers missing from it stay empty."""
         if "qk.0" in tensors:
             raise KeyError("it holds a quantized cache (saved with --kv); load it with the same --kv")
         for i, layer in enumerate(self.layers):
-            if f"k.{i}" in tensors:
+            if not isinstance(layer, DynamicLayer):
+                _load_state(layer, tensors.get(f"conv.{i}"), tensors.get(f"rec.{i}"))
+            elif f"k.{i}" in tensors:
                 layer.fill(*(tensors[f"{name}.{i}"] for name in "kvsp"), kr=tensors.get(f"kr.{i}"))
             else:
                 layer.reset()
 
-    def empty(self, reserve: int = 0) -> "KVCache":
-        """An empty cache of the same kind and positions, its layers' first allocation `reserve` units."""
-        return KVCache(len(self.layers), reserve=reserve, positions=self.positions, inv_freq=self.inv_freq)
+    def settings(self) -> dict:
+        """What `empty` and `clone` pass on: positions, frequencies, layer kinds, tail."""
+        return {"positions": self.positions, "inv_freq": self.inv_freqs, "kinds": self.kinds, "tail": self.tail}
 
-    def clone(self) -> "KVCache":
+    def empty(self, reserve: int = 0) -> KVCache:
+        """An empty cache of the same kind and positions, its layers' first allocation `reserve` units."""
+        return KVCache(len(self.layers), reserve=reserve, **self.settings())
+
+    def clone(self) -> KVCache:
         """An independent copy (a snapshot; the cache is bounded, so this is cheap for evicting policies)."""
-        copy = KVCache(len(self.layers), reserve=self.layers[0].reserve, positions=self.positions,
-                       inv_freq=self.inv_freq)
+        copy = KVCache(len(self.layers), reserve=self.layers[self.governed[0] if self.governed else 0].reserve,
+                       **self.settings())
         tensors = self.tensors()
         ext = self.extension  # some layers' units may live elsewhere (host memory)
         copy.load_tensors({k: v.to(ext.device) for k, v in tensors.items()} if ext is not None else tensors)
         return copy
+
+
+def _states(cache: KVCache) -> dict[str, torch.Tensor]:
+    """The linear-attention layers' states: `conv.i` and `rec.i` (those that exist)."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionLayer):
+            for name, held in (("conv", layer.conv_states), ("rec", layer.recurrent_states)):
+                if held.get(0) is not None:
+                    out[f"{name}.{i}"] = held[0]
+    return out
+
+
+def _load_state(layer: LinearAttentionLayer, conv: torch.Tensor | None, rec: torch.Tensor | None) -> None:
+    """A linear-attention layer holding copies of `conv` and `rec` (an empty one when both are None)."""
+    layer.__init__()
+    if conv is not None or rec is not None:
+        layer.lazy_initialization(conv_states=conv, recurrent_states=rec)
+        if conv is not None:
+            layer.conv_states[0].copy_(conv)
+        if rec is not None:
+            layer.recurrent_states[0].copy_(rec)
+        layer.has_previous_state[0] = True

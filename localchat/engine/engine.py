@@ -15,17 +15,21 @@ import torch
 
 from localchat.engine import focus as focus_mod
 from localchat.engine import loading
+from localchat.engine.attention import switchable
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard, card_chunk
-from localchat.engine.decode_step import DecodeStep, supported as lean_supported
-from localchat.engine.graph_step import GraphStep, why_not as graph_why_not
+from localchat.engine.decode_step import DecodeStep
+from localchat.engine.decode_step import supported as lean_supported
 from localchat.engine.detok import StreamDecoder
 from localchat.engine.events import Done, Error, Event, Notice, Token
+from localchat.engine.graph_step import GraphStep
+from localchat.engine.graph_step import why_not as graph_why_not
+from localchat.engine.layer_kinds import hybrid, layer_kinds, summary
 from localchat.engine.policies import PLAIN_POLICY, Policy, make_policy
+from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
 from localchat.engine.qattention import FusedDecode
 from localchat.engine.qcache import KV_CHOICES, RESIDUAL, QuantizedKVCache, kv_bits
-from localchat.engine.prefill import Cancelled, evict, evict_while_decoding, forward, prefill
-from localchat.engine.rope import rope_inv_freq
+from localchat.engine.rope import layer_inv_freqs
 from localchat.engine.sampling import GenerationSettings, StopText, pick_token
 from localchat.errors import TooLong, UserError
 from localchat.kernels import cpu_decode
@@ -73,13 +77,17 @@ class Engine:
         self._said_eager: set[str] = set()  # why CUDA decoding ran eagerly, said once each
         self.device = next(model.parameters()).device
         self.window = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
-        self.stop_ids = self._stop_ids()
+        try:
+            self.kinds = layer_kinds(model.config)  # what each layer keeps (engine/layer_kinds.py)
+        except ValueError as exc:
+            raise UserError(f"{name}: {exc}") from None
         self.policy, self.positions, self.chunk, self.kv, self.spec = None, "original", card_chunk(card), "none", None
         self.configure(policy or make_policy(PLAIN_POLICY), positions=positions, chunk=chunk, kv=kv, spec=spec)
+        self.stop_ids = self._stop_ids()
 
     @classmethod
     def load(cls, spec: str | None = None, *, device: torch.device | None = None, say=loading._stderr,
-             weights: str | None = None, before_weights=None, card=loading.LOOK_UP, **settings) -> "Engine":
+             weights: str | None = None, before_weights=None, card=loading.LOOK_UP, **settings) -> Engine:
         """Load model `spec` (None: the embedded default) at `weights`; `settings` are the constructor's (chunk,
         policy, positions, kv, admit, spec). `card`: the model's card when the caller has looked it up (None: it
         has none)."""
@@ -88,7 +96,7 @@ class Engine:
         return cls.of(loaded, weights=weights, say=say, **settings)
 
     @classmethod
-    def of(cls, loaded: loading.Loaded, *, weights: str | None = None, say=loading._stderr, **settings) -> "Engine":
+    def of(cls, loaded: loading.Loaded, *, weights: str | None = None, say=loading._stderr, **settings) -> Engine:
         """An engine over a loaded model (loading.load's), with the constructor's `settings`."""
         engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, weights=weights, **settings)
         if engine.device.type == "cpu" and engine.decoding.lean:
@@ -103,6 +111,9 @@ class Engine:
         if kv not in KV_CHOICES:
             raise UserError(f"unknown --kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
         policy = policy or self.policy
+        if not policy.hybrid and hybrid(self.kinds):
+            raise UserError(f"{policy.name} cannot serve {self.name} ({summary(self.kinds)} layers); choose another "
+                            f"--policy (localchat policies)")
         if policy is not self.policy or positions is not None:
             positions = positions or policy.positions_default()
             if positions not in POSITION_MODES:
@@ -191,12 +202,13 @@ class Engine:
     def new_cache(self, prompt_tokens: int = 0, max_new: int = 0) -> KVCache:
         """An empty cache for the current policy, its first allocation sized for the expected peak."""
         reserve = peak_units(self.policy, prompt_tokens, self.chunk, max_new)
-        inv_freq = rope_inv_freq(self.model) if self.positions == "compact" else None
+        kinds = self.kinds
+        inv_freq = layer_inv_freqs(self.model, kinds) if self.positions == "compact" else None
         if self.kv != "none":
-            return QuantizedKVCache(self.model.config.num_hidden_layers, kv_bits(self.kv), reserve=reserve,
-                                    positions=self.positions, inv_freq=inv_freq, tail=self.chunk + RESIDUAL)
-        return KVCache(self.model.config.num_hidden_layers, reserve=reserve, positions=self.positions,
-                       inv_freq=inv_freq)
+            return QuantizedKVCache(len(kinds), kv_bits(self.kv), reserve=reserve, positions=self.positions,
+                                    inv_freq=inv_freq, tail=self.chunk + RESIDUAL, kinds=kinds)
+        return KVCache(len(kinds), reserve=reserve, positions=self.positions, inv_freq=inv_freq, kinds=kinds,
+                       tail=self.chunk)
 
     def _chunk_halved(self, chunk: int) -> None:
         """Prefill ran out of memory and halved the chunk: later reads use the smaller one."""
@@ -284,7 +296,7 @@ class Engine:
             lean, eager = self._stepper(target, p.unit_heads() if attached else None)
             if eager:
                 yield Notice(f"decoding eagerly: {eager}")
-            if lean is None and self.decoding.fused:  # a quantized cache is read packed while decoding
+            if lean is None and self.decoding.fused and switchable(self.model):  # a quantized cache read packed
                 fused = FusedDecode(self.model, target)
             if lean is None and self.decoding.lean and lean_supported(self.model, target):
                 lean = DecodeStep(self.model, target, on_qkv=p.qkv_sink() if attached else None)

@@ -17,24 +17,38 @@ from torch import nn
 
 from localchat.engine import weights_check
 from localchat.engine.heads_files import CONFIG, WEIGHTS, read_config
+from localchat.errors import UserError, first_line
 
 
-def attention_modules(model) -> list[nn.Module]:
-    """The self-attention module of every decoder layer (Llama / Qwen / Mistral / Phi-3 layouts)."""
-    return [layer.self_attn for layer in model.model.layers]
+def attention_modules(model) -> list[nn.Module | None]:
+    """The self-attention module of every decoder layer (Llama / Qwen / Mistral / Phi-3 layouts); None for a
+    layer without one (a linear-attention layer)."""
+    return [getattr(layer, "self_attn", None) for layer in model.model.layers]
 
 
 def head_shape(model) -> dict:
     """The head-relevant shape of a model (or of a transformers config)."""
     cfg = getattr(model, "config", model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return {
+    shape = {
         "layers": cfg.num_hidden_layers,
         "q_heads": cfg.num_attention_heads,
         "kv_heads": cfg.num_key_value_heads,
         "head_dim": head_dim,
-        "act": cfg.hidden_act,
+        "act": getattr(cfg, "hidden_act", None) or cfg.hidden_activation,  # Gemma names it hidden_activation
     }
+    if getattr(cfg, "model_type", "") in GATED_Q:
+        shape["q_gate"] = True  # the q projection also gives the output gate: 2 x H_q x d wide
+    return shape
+
+
+GATED_Q = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def qkv_width(shape: dict) -> int:
+    """The width of a layer's pre-RoPE q|k|v row (what a head reads)."""
+    q = shape["q_heads"] * (2 if shape.get("q_gate") else 1)
+    return (q + 2 * shape["kv_heads"]) * shape["head_dim"]
 
 
 class RetainingHead(nn.Module):
@@ -57,13 +71,13 @@ class RetainingHeads(nn.Module):
         self.shape = dict(shape)
         self.d_r = d_r
         self.meta = dict(meta or {})
-        in_dim = (shape["q_heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
+        in_dim = qkv_width(shape)
         self.layers = nn.ModuleList(
             RetainingHead(in_dim, d_r, shape["kv_heads"], shape["act"]) for _ in range(shape["layers"])
         )
 
     @classmethod
-    def random(cls, model, d_r: int = 1024, seed: int = 0) -> "RetainingHeads":
+    def random(cls, model, d_r: int = 1024, seed: int = 0) -> RetainingHeads:
         """Untrained heads (the paper's ablation: eviction by noise); `model` may also be a `head_shape` dict."""
         torch.manual_seed(seed)
         return cls(model if isinstance(model, dict) else head_shape(model), d_r, {"kind": "random", "seed": seed})
@@ -74,8 +88,7 @@ class RetainingHeads(nn.Module):
                    self.d_r, self.meta)
 
     @classmethod
-    def load(cls, directory: str | Path) -> "RetainingHeads":
-        from localchat.errors import UserError
+    def load(cls, directory: str | Path) -> RetainingHeads:
 
         directory = Path(directory)
         if (directory / weights_check.STAMP).is_file():  # fetched heads carry their sha256: never use damaged ones
@@ -88,7 +101,7 @@ class RetainingHeads(nn.Module):
             tensors = load_file(directory / WEIGHTS)
         except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for a damaged file
             raise UserError(f"cannot read retaining heads in {directory}: {WEIGHTS} is missing or damaged "
-                            f"({(str(exc).splitlines() or [type(exc).__name__])[0][:120]}); train, import or fetch "
+                            f"({first_line(exc, 120)}); train, import or fetch "
                             f"them again") from None
         try:
             shape, d_r = config.pop("shape"), config.pop("d_r")
@@ -96,13 +109,12 @@ class RetainingHeads(nn.Module):
             missing, unexpected = heads.load_state_dict(tensors, strict=False)
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:  # not heads, or other shapes
             raise UserError(f"{directory} does not hold retaining heads localchat can read ({type(exc).__name__}: "
-                            f"{(str(exc).splitlines() or [''])[0][:120]}); train or import them again") from None
+                            f"{first_line(exc, 120)}); train or import them again") from None
         if missing or unexpected:  # untrained heads evict at random: never load them silently
             raise UserError(f"retaining heads in {directory} do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
         return heads
 
     def check_fits(self, model) -> None:
-        from localchat.errors import UserError
 
         if head_shape(model) != self.shape:
             raise UserError(f"these retaining heads were made for shape {self.shape}, not {head_shape(model)}")
@@ -125,7 +137,6 @@ def official_heads(state: dict) -> dict[str, torch.Tensor]:
 def read_official(path: Path) -> dict[str, torch.Tensor]:
     """The head tensors of one official file: safetensors, or a `torch.save` state dict (the releases' .bin),
     read with weights_only=True; one UserError line when the file is neither."""
-    from localchat.errors import UserError
 
     path = Path(path)
     try:
@@ -139,7 +150,7 @@ def read_official(path: Path) -> dict[str, torch.Tensor]:
         except RuntimeError:  # a file torch.save wrote in its legacy format cannot be mapped
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - OSError, pickle and zip errors, safetensors' own
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        why = first_line(exc, 120)
         raise UserError(f"cannot read {path} as LOCRET retaining heads (a .bin state dict or .safetensors): {why}") \
             from None
     if not isinstance(state, dict):
@@ -150,7 +161,6 @@ def read_official(path: Path) -> dict[str, torch.Tensor]:
 def check_official(found: dict[str, torch.Tensor], shape: dict, source: str, d_r: int | None = None) -> int:
     """d_R when `found` holds heads for every layer of a model of `shape` (fc1 `[d_R, (H_q + 2 H_kv) d]`,
     fc2 `[H_kv, d_R]`, floating point; `d_r` when given is the only width allowed); else one UserError line."""
-    from localchat.errors import UserError
 
     if not found:
         raise UserError(f"no LOCRET retaining-head weights (model.layers.N.self_attn.fc1/fc2.weight) in {source}")
@@ -161,7 +171,7 @@ def check_official(found: dict[str, torch.Tensor], shape: dict, source: str, d_r
         raise UserError(f"{source} does not fit: it has retaining heads for {layers} layers, the model has "
                         f"{shape['layers']}" + (f" (missing {missing[0]})" if layers == shape["layers"] else ""))
     width = d_r or found["layers.0.fc1.weight"].shape[0]
-    in_dim = (shape["q_heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
+    in_dim = qkv_width(shape)
     for key in sorted(found, key=lambda k: (int(k.split(".")[1]), k)):
         t = found[key]
         expected = (width, in_dim) if key.endswith("fc1.weight") else (shape["kv_heads"], width)
@@ -186,7 +196,6 @@ def import_official(source: str | Path, config, out: str | Path) -> Path:
     """Heads from an official LOCRET file (a release's heads-only .bin, or a checkpoint with the heads inside:
     a file, or a directory of .safetensors or .bin files) for the model of `config`, saved in `out` at the
     release's dtype (bf16: converted exactly)."""
-    from localchat.errors import UserError
 
     source = Path(source)
     if source.is_dir():
@@ -209,6 +218,8 @@ def hook_qkv(model, on_qkv) -> list:
     layer (q/k/v projections, or a fused qkv_proj); return the hook handles."""
     handles = []
     for i, attn in enumerate(attention_modules(model)):
+        if attn is None:
+            continue
         if hasattr(attn, "qkv_proj"):
             handles.append(attn.qkv_proj.register_forward_hook(lambda m, a, out, i=i: on_qkv(i, out[0])))
             continue

@@ -99,10 +99,10 @@ def load(spec: str | None, device: torch.device | None = None, dtype: torch.dtyp
          say: Say = _stderr, weights: str | None = None, before_weights=None, card=LOOK_UP) -> Loaded:
     """`weights`: fp32 / bf16 / fp16 / int8 / int4 / nf4 (engine/quantize.py); None = the device's dtype.
     `before_weights(device, dtype)` runs after the tokenizer loads, just before the weights do (memory baselines)."""
-    from localchat.engine import quantize
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from localchat.engine import quantize
 
     source, card = resolve(spec, say, card)
     say(Step("loading the model's weights"))  # a stage for progress displays; stderr drops it

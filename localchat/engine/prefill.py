@@ -17,6 +17,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import LinearAttentionLayer
 
 from localchat.engine.cache import KVCache
 from localchat.engine.events import Notice, Progress
@@ -55,6 +56,7 @@ def forward(model, cache: KVCache, ids: torch.Tensor, true_first: int) -> torch.
     first = cache.next_position(true_first)
     position_ids = torch.arange(first, first + t, device=ids.device).unsqueeze(0)
     out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+    cache.settle()
     return out.logits[0, -1]
 
 
@@ -62,16 +64,14 @@ EVICT_RANGE = "localchat.evict"  # the profiler's name for an eviction (bench/ex
 
 
 def evict(cache: KVCache, policy: Policy, last_chunk: bool, recent: int = 0) -> bool:
-    """Keep the top-`keep_size` (normally `budget`) units per KV head of every layer (plus the `recent`
+    """Keep the top-`keep_size` (normally `budget`) units per KV head of every governed layer (plus the `recent`
     newest), in temporal order. True if it evicted; the eviction is a profiler range named `EVICT_RANGE`."""
     keep_n = policy.keep_size(cache) + recent
     if cache.get_seq_length() <= keep_n:
         return False
     with torch.profiler.record_function(EVICT_RANGE):
-        prios = [protect_recent(policy.priority(layer, i, last_chunk), recent)
-                 for i, layer in enumerate(cache.layers)]
-        for i, keep in enumerate(select(prios, keep_n)):  # one batched top-k over the layers (kernels/evict.py)
-            cache.keep(i, keep)
+        prios = [protect_recent(policy.priority(layer, i, last_chunk), recent) for i, layer in cache.governed_layers()]
+        cache.keep_units(select(prios, keep_n))  # one batched top-k over the layers (kernels/evict.py)
     return True
 
 
@@ -94,7 +94,10 @@ def plan_steps(n: int, chunk: int, local: int) -> list[tuple[int, int, bool, boo
 
 
 def _rollback(cache: KVCache, lengths: list[int]) -> None:
-    """Drop what a failed forward appended: every layer back to its length before the chunk."""
+    """Drop what a failed forward appended: every layer back to its length before the chunk (a linear layer's
+    state cannot go back: the failure stands)."""
+    if any(n is None for n in lengths):
+        raise torch.OutOfMemoryError("out of memory in a chunk of a model with linear-attention layers")
     for layer, n in zip(cache.layers, lengths):
         extra = layer.get_seq_length() - n
         if extra > 0:
@@ -147,7 +150,7 @@ def prefill(
         end = min(start + chunk, head_end if in_head else n)
         last = in_head and end >= head_end
         piece = ids[:, start:end]
-        lengths = [layer.get_seq_length() for layer in cache.layers]
+        lengths = [None if isinstance(layer, LinearAttentionLayer) else layer.get_seq_length() for layer in cache.layers]
         try:
             logits = forward(model, cache, piece, first_pos + start)
         except torch.OutOfMemoryError:

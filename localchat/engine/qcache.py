@@ -173,7 +173,7 @@ class QuantizedKVLayer(KVLayer):
         self.inv_freq = inv_freq
         self._quantize_tail()
         k = idx.shape[-1]
-        for name, t in self._q.items():
+        for t in self._q.values():
             rows = torch.gather(t[:, :, : self.n], 2, idx[None, :, :, None].expand(-1, -1, -1, t.shape[-1]))
             t[:, :, :k] = rows
         self._s[:, :k] = torch.gather(self.scores, 1, idx)
@@ -247,46 +247,50 @@ class QuantizedKVLayer(KVLayer):
 
 
 class QuantizedKVCache(KVCache):
-    """KVCache whose layers are QuantizedKVLayer with `bits` (8, 4 or 2)."""
+    """KVCache whose governed layers are QuantizedKVLayer with `bits` (8, 4 or 2); a hybrid model's window and
+    state layers stay as they are (bounded, small)."""
 
     def __init__(self, num_layers: int, bits: int, reserve: int = 0, positions: str = "original", inv_freq=None,
-                 residual: int = RESIDUAL, tail: int = 0):
-        super().__init__(num_layers, reserve=reserve, positions=positions, inv_freq=inv_freq)
-        self.bits, self.residual, self.tail = bits, residual, tail
-        self.layers = [QuantizedKVLayer(reserve, bits, residual, tail) for _ in range(num_layers)]
-        for layer in self.layers:
-            layer.inv_freq = inv_freq if positions == "compact" else None
+                 residual: int = RESIDUAL, tail: int = 0, kinds=None):
+        self.bits, self.residual = bits, residual
+        super().__init__(num_layers, reserve=reserve, positions=positions, inv_freq=inv_freq, kinds=kinds, tail=tail)
+        for i in self.governed:
+            self.layers[i].inv_freq = self.inv_freqs[i] if positions == "compact" else None
+
+    def _global_layer(self, reserve: int) -> KVLayer:
+        return QuantizedKVLayer(reserve, self.bits, self.residual, self.tail)
 
     def full_unit_bytes(self) -> int:
         """Bytes one unit would take across all layers unquantized (for the compression figure)."""
         total = 0
-        for layer in self.layers:
+        for _, layer in self.governed_layers():
             if layer._q is not None:
                 h, d = layer._q["qk"].shape[1], layer.head_dim
                 total += 2 * h * d * torch.empty((), dtype=layer.dtype).element_size()
         return total
 
-    def keep(self, layer_idx: int, idx: torch.Tensor) -> None:
-        self.layers[layer_idx].keep(idx, self.inv_freq if self.positions == "compact" else None)
-
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Quantized `tensors()` output, or a full-precision cache's (quantized on the way in)."""
-        for i, layer in enumerate(self.layers):
+        plain = {k: v for k, v in tensors.items() if int(k.rsplit(".", 1)[1]) not in self.governed}
+        if plain or self.hybrid:
+            KVCache.load_tensors(self, plain)  # the window and state layers (the governed ones are refilled below)
+        for i, layer in self.governed_layers():
             if f"qk.{i}" in tensors:
                 layer.fill_quantized({name: tensors[f"{name}.{i}"] for name in (*QUANT_KEYS, "tk", "tv", "s", "p")})
             elif f"k.{i}" in tensors:
                 layer.fill(*(tensors[f"{name}.{i}"] for name in "kvsp"))
             else:
                 layer.reset()
-            layer.inv_freq = self.inv_freq if self.positions == "compact" else None
+            layer.inv_freq = self.inv_freqs[i] if self.positions == "compact" else None
 
-    def empty(self, reserve: int = 0) -> "QuantizedKVCache":
-        return QuantizedKVCache(len(self.layers), self.bits, reserve=reserve, positions=self.positions,
-                                inv_freq=self.inv_freq, residual=self.residual, tail=self.tail)
+    def settings(self) -> dict:
+        return {**super().settings(), "residual": self.residual}
 
-    def clone(self) -> "QuantizedKVCache":
-        copy = QuantizedKVCache(len(self.layers), self.bits, reserve=self.layers[0].reserve,
-                                positions=self.positions, inv_freq=self.inv_freq, residual=self.residual,
-                                tail=self.tail)
+    def empty(self, reserve: int = 0) -> QuantizedKVCache:
+        return QuantizedKVCache(len(self.layers), self.bits, reserve=reserve, **self.settings())
+
+    def clone(self) -> QuantizedKVCache:
+        copy = QuantizedKVCache(len(self.layers), self.bits, reserve=self.layers[self.governed[0]].reserve,
+                                **self.settings())
         copy.load_tensors(self.tensors())
         return copy

@@ -22,7 +22,7 @@ from localchat.engine.generation import GenerationSettings
 from localchat.engine.heads_files import WEIGHTS as HEADS_FILE
 from localchat.engine.policies import DEFAULT_POLICY, NO_HEADS_POLICY, PLAIN_POLICY, policy_class
 from localchat.engine.policies.catalog import CATALOG, option_owners
-from localchat.errors import UserError
+from localchat.errors import UserError, first_line
 from localchat.planning import profiles
 from localchat.planning.memory import GIB, MIB, Device, Shape, detect, read_config
 from localchat.planning.planner import DEFAULT_MARGIN, DEFAULT_TARGET, LONG_DOC, Plan, Request, decode_speed, make_plan
@@ -41,7 +41,7 @@ class Target:
     kind: str  # "cuda" or "cpu"
 
     @classmethod
-    def of(cls, device: Device) -> "Target":
+    def of(cls, device: Device) -> Target:
         return cls(device.free, f"free on {device.describe()}", device.kind)
 
 
@@ -101,7 +101,7 @@ def model_facts(spec: str | None) -> tuple[Shape, ModelCard | None]:
 
                 cfg = AutoConfig.from_pretrained(source).to_dict()
             except Exception as exc:  # noqa: BLE001 - offline, gated, or not a model id
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                first = first_line(exc)
                 raise UserError(f"cannot read the config of {spec}: {first}; pass --model DIR (a directory "
                                 f"with config.json) to plan without downloading") from None
         name = card.name if card else spec
@@ -111,27 +111,31 @@ def model_facts(spec: str | None) -> tuple[Shape, ModelCard | None]:
         raise UserError(f"{spec}: not a decoder config this planner knows ({exc})") from None
 
 
-TESTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # every policy runs on tiny models of these (tests)
+TESTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss", "qwen3_next", "smollm3")
 REFUSED = {  # model_type -> why the engine cannot run it
     "gemma2": "its attention soft-caps logits, which SDPA (the engine's attention path) cannot do",
-    "gemma3": "its attention mixes sliding-window and global layers with a config the engine's paths do not read",
-    "gemma3_text": "its attention mixes sliding-window and global layers with a config the engine's paths do not read",
 }
 
 
-def model_type(spec: str | None) -> str | None:
-    """The architecture (config.json's model_type) known without loading: the card's, or a local config's."""
+def model_config(spec: str | None) -> dict | None:
+    """The config known without loading: the card's shape, or a local config.json's; None when neither."""
     card = card_for(spec)
     if card is not None and card.shape.get("model_type"):
-        return str(card.shape["model_type"])
+        return dict(card.shape)
     path = Path(spec).expanduser() if spec else None
     config = path if path is not None and path.suffix == ".json" else (path / "config.json" if path else None)
     if config is not None and config.is_file():
         try:
-            return str(read_config(config).get("model_type") or "") or None
+            return read_config(config)
         except ValueError:
             return None
     return None
+
+
+def model_type(spec: str | None) -> str | None:
+    """The architecture (config.json's model_type) known without loading: the card's, or a local config's."""
+    config = model_config(spec)
+    return str(config.get("model_type") or "") or None if config else None
 
 
 def check_architecture(spec: str | None) -> None:
@@ -140,6 +144,24 @@ def check_architecture(spec: str | None) -> None:
     if kind in REFUSED:
         raise UserError(f"{spec}: {kind} models are not supported ({REFUSED[kind]}); localchat runs "
                         f"{', '.join(TESTED)} models")
+
+
+def check_policy_serves(spec: str | None, policy: str) -> None:
+    """Refuse, before loading, a policy that cannot serve the model's layers (a hybrid's windows or states)."""
+    from localchat.engine.layer_kinds import hybrid, layer_kinds, summary
+    from localchat.engine.policies.catalog import CATALOG
+
+    config = model_config(spec)
+    entry = CATALOG.get(policy)
+    if config is None or entry is None or entry.hybrid or "num_hidden_layers" not in config:
+        return
+    try:
+        kinds = layer_kinds(config)
+    except ValueError as exc:
+        raise UserError(f"{spec}: {exc}") from None
+    if hybrid(kinds):
+        raise UserError(f"{policy} cannot serve {spec} ({summary(kinds)} layers); choose another --policy "
+                        f"(localchat policies)")
 
 
 # --- the policy ------------------------------------------------------------------------------------------------
@@ -342,6 +364,7 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
     card = card_for(model)
     target = target or Target.of(device)
     policy, sources = policy_spec(given.get("policy"), given, given_from, card, target.kind)
+    check_policy_serves(model, policy.name)
     locret = (card.locret if card else {}) or {}
     if given.get("chunk") is not None:
         chunk, sources["chunk"] = given["chunk"], given_from["chunk"]

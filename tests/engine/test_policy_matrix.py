@@ -2,7 +2,9 @@
 
 Architectures are tiny random models built from the real configs in tests/data/configs (Llama-3.1: q/k/v
 projections; Qwen2.5: q/k/v biases; Phi-3: one fused qkv projection) or transformers' own configs (Mistral;
-Qwen3: q/k norms), shrunk to two layers. Each policy reads
+Qwen3: q/k norms), shrunk to two layers; and the hybrids (tests/tiny.py HYBRIDS: Gemma 3's sliding and global
+layers, gpt-oss's with sinks, Qwen3-Next's linear-attention layers, SmolLM3's layers without RoPE), four layers.
+A policy that cannot serve a hybrid is refused in one line. Each policy reads
 a 1.4K-token document in chunks and answers, then answers a follow-up on the same session (the compressed
 cache carried across turns): both turns finish, an evicting policy's cache stays inside its bound, and the
 follow-up reads only its own tokens.
@@ -11,15 +13,16 @@ follow-up reads only its own tokens.
 from __future__ import annotations
 
 import pytest
-import torch
+from tiny import ARCHITECTURES, HYBRIDS, tiny_architecture, tiny_tokenizer
 
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
 from localchat.engine.heads import RetainingHeads
+from localchat.engine.layer_kinds import hybrid
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.sampling import GenerationSettings
+from localchat.errors import UserError
 from localchat.session import Session
-from tiny import ARCHITECTURES, tiny_architecture, tiny_tokenizer
 
 BUDGET, LOCAL, CHUNK = 96, 16, 128
 
@@ -29,9 +32,17 @@ def tok():
     return tiny_tokenizer()
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def model(request, tok):
-    return tiny_architecture(request.param, len(tok))
+CORE = ("full", "locret", "sirllm", "streaming", "omnikv")  # on the hybrids by default; the others with -m slow
+PAIRS = [pytest.param(arch, name, marks=[pytest.mark.slow] if arch in HYBRIDS and name not in CORE else [])
+         for arch in sorted(ARCHITECTURES) for name in sorted(POLICIES)]
+_MODELS: dict[str, object] = {}
+
+
+def _model(arch: str, tok):
+    if arch not in _MODELS:
+        _MODELS.clear()  # one architecture at a time (PAIRS are ordered by architecture)
+        _MODELS[arch] = tiny_architecture(arch, len(tok))
+    return _MODELS[arch]
 
 
 def build(name: str, model):
@@ -43,10 +54,15 @@ def build(name: str, model):
     return make_policy(name, **settings, **extra)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_every_policy_reads_and_follows_up_on_every_architecture(name, model, tok):
+@pytest.mark.parametrize(("arch", "name"), PAIRS)
+def test_every_policy_reads_and_follows_up_on_every_architecture(arch, name, tok):
+    model = _model(arch, tok)
     engine = Engine(model, tok, chunk=CHUNK)
     policy = build(name, model)
+    if not policy.hybrid and hybrid(engine.kinds):  # refused in one line, before anything is read
+        with pytest.raises(UserError, match=f"^{name} cannot serve .*layers\\); choose another --policy"):
+            engine.set_policy(policy)
+        return
     engine.set_policy(policy)
     session = Session(engine)
     settings = GenerationSettings(max_new_tokens=4, ignore_eos=True)

@@ -22,7 +22,8 @@ from localchat.planning.sources import DEFAULT, FLAG, Kind, Source, kind_of
 def test_the_catalog_row_is_what_the_class_declares(name):
     row, cls = CATALOG[name], POLICIES[name]
     assert cls.__module__.removeprefix("localchat.engine.policies.").split(".")[0] == row.module
-    assert (row.summary, row.evicts, row.selects, row.options) == (cls.summary, cls.evicts, cls.selects, cls.options)
+    assert (row.summary, row.evicts, row.selects, row.hybrid, row.options) == \
+        (cls.summary, cls.evicts, cls.selects, cls.hybrid, cls.options)
     assert row.heads == ("heads" in cls.fields())
     assert row.uses_budget() == cls.uses_budget()
 
@@ -56,7 +57,8 @@ def test_the_quant_values_are_the_engines_and_checked_in_one_place():
     from localchat.args import check_quant
     from localchat.engine import precision, qcache, quantize
     from localchat.engine.heads import CONFIG, WEIGHTS
-    from localchat.engine.heads_files import CONFIG as LIGHT_CONFIG, WEIGHTS as LIGHT_WEIGHTS
+    from localchat.engine.heads_files import CONFIG as LIGHT_CONFIG
+    from localchat.engine.heads_files import WEIGHTS as LIGHT_WEIGHTS
     from localchat.errors import UserError
 
     assert qcache.KV_CHOICES is precision.KV_CHOICES and quantize.WEIGHTS is precision.WEIGHTS

@@ -19,6 +19,7 @@ class Entry:
     evicts: bool = True
     selects: bool = False
     heads: bool = False  # reads retaining heads (a `heads` field, --heads)
+    hybrid: bool = True  # serves models with window or linear-attention layers (Policy.hybrid)
     options: dict[str, Option] = field(default_factory=dict)  # dataclass field -> how users set it
 
     def uses_budget(self) -> bool:
@@ -47,7 +48,7 @@ ROWS = (  # in the order `localchat policies` lists them
     Entry("sagekv", "sagekv", "SAGE-KV: full prefill, then one top-k per head from the last token's attention + "
                               "sinks + recent"),
     Entry("omnikv", "omnikv", "OmniKV: keep everything; filter layers pick the tokens later layers attend to, "
-                              "every step", evicts=False, selects=True, options={
+                              "every step", evicts=False, selects=True, hybrid=False, options={
               "offload": Option("--offload", bool, "OmniKV on a GPU: keep the sparse layers' K/V in host memory and "
                                 "copy in what they attend to", cuda_only=True),
               "prefill_ratio": Option("--sparse-prefill", float, "OmniKV: while reading, filter layers pick R x chunk "

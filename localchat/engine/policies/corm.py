@@ -104,7 +104,7 @@ class CORM(Policy):
         return m
 
     def observe(self, cache, n_new, ids) -> None:
-        for i, layer in enumerate(cache.layers):
+        for i, layer in cache.governed_layers():
             hit, latest = self.pending.pop(i)  # [H_kv, w, n] bool, [H_kv, n]
             m = self.aligned(i, layer)
             m.rows = torch.cat([m.rows, hit.to(m.rows.device)], dim=1)[:, -self.window :].contiguous()  # frees the rest
@@ -112,7 +112,7 @@ class CORM(Policy):
 
     def keep_size(self, cache) -> int:
         sizes = []
-        for i, layer in enumerate(cache.layers):
+        for i, layer in cache.governed_layers():
             m = self.aligned(i, layer)
             if m.rows.shape[1] < self.window:  # not enough observations yet: keep all (up to the cap)
                 sizes.append(layer.get_seq_length())

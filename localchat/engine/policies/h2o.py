@@ -40,7 +40,7 @@ class H2O(Policy):
         self.pending[layer_idx] = group_sum(probs, kv_heads)
 
     def observe(self, cache, n_new, ids) -> None:
-        for i, layer in enumerate(cache.layers):
+        for i, layer in cache.governed_layers():
             layer.scores.add_(self.pending.pop(i).to(layer.scores.device))
 
     def protected_recent(self, last_chunk: bool) -> int:

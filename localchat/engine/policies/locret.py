@@ -87,13 +87,13 @@ class Locret(Policy):
 
     def observe(self, cache, n_new, ids) -> None:
         if self.token_ids is not None:
-            self.token_ids.add(cache.layers[0].positions[0, -n_new:], ids)
+            self.token_ids.add(cache.governed_layers()[0][1].positions[0, -n_new:], ids)
         if n_new == 1:  # a decoded token: the scorer queues it, `_flush` scores the queue in one batch
             if self.scorer.queued() >= FLUSH_EVERY:
                 self._flush(cache)
             return
         self._flush(cache, skip=n_new)
-        for i, layer in enumerate(cache.layers):
+        for i, layer in cache.governed_layers():
             layer.scores[:, -n_new:] = self.scorer.take(i)[:, -n_new:]
 
     def _flush(self, cache, skip: int = 0) -> None:
@@ -104,7 +104,9 @@ class Locret(Policy):
         if count == 0:
             return
         with torch.inference_mode():
-            for layer, scores in zip(cache.layers, self.scorer.flush()):
+            flushed = self.scorer.flush()
+            for i, layer in cache.governed_layers():
+                scores = flushed[i]
                 end = layer.get_seq_length() - skip
                 layer.scores[:, end - count:end] = scores
 
@@ -119,8 +121,8 @@ class Locret(Policy):
             return prio
         from localchat.engine.policies.repeats import cap_copies
 
-        if layer_idx == 0 and self.cache is not None:  # once per eviction: forget what no layer holds
-            self.token_ids.forget_except([held.positions for held in self.cache.layers])
+        if self.cache is not None and layer_idx == self.cache.governed[0]:  # once per eviction: forget what no layer holds
+            self.token_ids.forget_except([held.positions for _, held in self.cache.governed_layers()])
         return cap_copies(prio, self.token_ids.lookup(layer.positions), self.max_copies)
 
     def focus_units(self) -> int:

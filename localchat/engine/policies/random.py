@@ -23,6 +23,6 @@ class Random(Policy):
         self.gen = torch.Generator().manual_seed(self.seed)
 
     def observe(self, cache, n_new, ids) -> None:
-        for layer in cache.layers:
+        for _, layer in cache.governed_layers():
             s = layer.scores
             s[:, -n_new:] = torch.rand((s.shape[0], n_new), generator=self.gen).to(s.device)

@@ -113,7 +113,7 @@ class RoCo(Policy):
         return fresh
 
     def observe(self, cache, n_new, ids) -> None:
-        for i, layer in enumerate(cache.layers):
+        for i, layer in cache.governed_layers():
             add, add2, t = self.pending.pop(i)
             n = layer.get_seq_length()
             s = self.aligned(i, layer)

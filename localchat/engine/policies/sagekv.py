@@ -73,7 +73,7 @@ class SageKV(Policy):
         kv_heads = self.model.config.num_key_value_heads
         group = self.model.config.num_attention_heads // kv_heads
         sinks, k, recent = split(self.budget, group)
-        for i, layer in enumerate(cache.layers):
+        for i, layer in cache.governed_layers():
             logits = self.last.pop(i).to(layer.scores.device)
             n = layer.get_seq_length()
             fixed = torch.zeros_like(layer.scores, dtype=torch.bool)

@@ -61,7 +61,7 @@ class SirLLM(Policy):
 
     def observe(self, cache, n_new, ids) -> None:
         h = self.entropies(ids)
-        for layer in cache.layers:
+        for _, layer in cache.governed_layers():
             layer.scores[:, -n_new:] = h.to(layer.scores.device)
 
     def protected_first(self) -> int:

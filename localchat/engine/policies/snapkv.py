@@ -38,7 +38,7 @@ class SnapKV(Policy):
         self.pending[layer_idx] = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=pad)[:, 0]
 
     def observe(self, cache, n_new, ids) -> None:
-        for i, layer in enumerate(cache.layers):
+        for i, layer in cache.governed_layers():
             layer.scores.copy_(self.pending.pop(i))
 
     def protected_recent(self, last_chunk: bool) -> int:

@@ -4,10 +4,10 @@ details from the authors' code marked [code]; docs/methods/omnikv.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch
+
 from localchat.engine.attention import AttentionSwitch, sdpa
 from localchat.engine.policies.base import Option, Policy
 from localchat.errors import UserError
@@ -196,6 +196,7 @@ class OmniKV(Policy):
     summary = "OmniKV: keep everything; filter layers pick the tokens later layers attend to, every step"
     evicts = False
     selects = True
+    hybrid = False  # its filter layers and host bank assume every layer holds every token
     options = {
         "offload": Option("--offload", bool, "OmniKV on a GPU: keep the sparse layers' K/V in host memory and copy "
                           "in what they attend to", cuda_only=True),
