@@ -146,3 +146,15 @@ def test_a_closed_output_stops_the_answer_in_one_line_and_keeps_the_chat(tiny_di
     assert code == 0 and err == ""
     listing = subprocess.run([*base, "sessions"], env=env, capture_output=True, text=True).stdout
     assert listing.splitlines()[1].split()[:2] == ["s", "first"] and listing.splitlines()[1].split()[4] == "1"
+
+
+@pytest.mark.parametrize(("card", "policy", "why"), [
+    ("gemma-3-12b-it", "omnikv", "(8 global, 40 window (1024) layers)"),
+    ("qwen3.6-27b", "omnikv", "(16 global, 48 state layers)"),
+    ("gpt-oss-20b", "h2o", "would drop the model's attention sinks"),
+])
+def test_a_card_says_which_policies_cannot_serve_it(card, policy, why, capsys):
+    assert main(["--model", card, "--policy", policy, "plan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{policy} cannot serve {card}" in err and why in err
+    assert main(["--model", card, "--policy", "locret", "plan", "--memory-gb", "24", "--device", "cuda"]) == 0  # LOCRET serves each

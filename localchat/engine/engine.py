@@ -114,6 +114,10 @@ class Engine:
         if not policy.hybrid and hybrid(self.kinds):
             raise UserError(f"{policy.name} cannot serve {self.name} ({summary(self.kinds)} layers); choose another "
                             f"--policy (localchat policies)")
+        if (policy.attention_function or policy.focus_units()) and not switchable(self.model):
+            raise UserError(f"{policy.name}{' --focus' if policy.focus_units() else ''} cannot serve {self.name}: it "
+                            f"replaces the attention function, which would drop the model's attention sinks; choose "
+                            f"another --policy (locret, sirllm, streaming, full)")
         if policy is not self.policy or positions is not None:
             positions = positions or policy.positions_default()
             if positions not in POSITION_MODES:

@@ -68,6 +68,14 @@ def layer_kinds(config: Any) -> list[LayerKind]:
     return out
 
 
+SINKS = ("gpt_oss",)  # model types whose attention adds learned per-head sinks (SDPA cannot compute them)
+
+
+def has_sinks(config: Any) -> bool:
+    """True when the model's attention holds per-head sinks: its own attention function must stay."""
+    return str(_as_dict(config).get("model_type") or "") in SINKS
+
+
 def hybrid(kinds: list[LayerKind]) -> bool:
     """True when some layer's cache does not grow with the document."""
     return any(not k.grows for k in kinds)

@@ -147,16 +147,21 @@ def check_architecture(spec: str | None) -> None:
 
 
 def check_policy_serves(spec: str | None, policy: str) -> None:
-    """Refuse, before loading, a policy that cannot serve the model's layers (a hybrid's windows or states)."""
-    from localchat.engine.layer_kinds import hybrid, layer_kinds, summary
-    from localchat.engine.policies.catalog import CATALOG
+    """Refuse, before loading, a policy that cannot serve the model's layers (a hybrid's windows or states) or its
+    attention (gpt-oss's sinks), where the card or a local config says what they are."""
+    from localchat.engine.layer_kinds import has_sinks, hybrid, layer_kinds, summary
 
-    config = model_config(spec)
-    entry = CATALOG.get(policy)
-    if config is None or entry is None or entry.hybrid or "num_hidden_layers" not in config:
+    config, card, entry = model_config(spec), card_for(spec), CATALOG.get(policy)
+    if config is None or entry is None:
+        return
+    if entry.attention_function and has_sinks(config):
+        raise UserError(f"{policy} cannot serve {spec}: it replaces the attention function, which would drop the "
+                        f"model's attention sinks; choose another --policy (locret, sirllm, streaming, full)")
+    if entry.hybrid:
         return
     try:
-        kinds = layer_kinds(config)
+        shape = Shape.from_card(card) if card is not None and card.shape.get("model_type") else None
+        kinds = list(shape.kinds) if shape is not None else layer_kinds(config) if "num_hidden_layers" in config else []
     except ValueError as exc:
         raise UserError(f"{spec}: {exc}") from None
     if hybrid(kinds):

@@ -18,7 +18,7 @@ from tiny import ARCHITECTURES, HYBRIDS, tiny_architecture, tiny_tokenizer
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
 from localchat.engine.heads import RetainingHeads
-from localchat.engine.layer_kinds import hybrid
+from localchat.engine.layer_kinds import has_sinks, hybrid
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
@@ -61,6 +61,10 @@ def test_every_policy_reads_and_follows_up_on_every_architecture(arch, name, tok
     policy = build(name, model)
     if not policy.hybrid and hybrid(engine.kinds):  # refused in one line, before anything is read
         with pytest.raises(UserError, match=f"^{name} cannot serve .*layers\\); choose another --policy"):
+            engine.set_policy(policy)
+        return
+    if policy.attention_function and has_sinks(model.config):  # gpt-oss: SDPA cannot compute its sinks
+        with pytest.raises(UserError, match=f"^{name} cannot serve .*attention sinks; choose another --policy"):
             engine.set_policy(policy)
         return
     engine.set_policy(policy)

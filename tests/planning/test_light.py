@@ -22,8 +22,8 @@ from localchat.planning.sources import DEFAULT, FLAG, Kind, Source, kind_of
 def test_the_catalog_row_is_what_the_class_declares(name):
     row, cls = CATALOG[name], POLICIES[name]
     assert cls.__module__.removeprefix("localchat.engine.policies.").split(".")[0] == row.module
-    assert (row.summary, row.evicts, row.selects, row.hybrid, row.options) == \
-        (cls.summary, cls.evicts, cls.selects, cls.hybrid, cls.options)
+    assert (row.summary, row.evicts, row.selects, row.hybrid, row.attention_function, row.options) == \
+        (cls.summary, cls.evicts, cls.selects, cls.hybrid, cls.attention_function, cls.options)
     assert row.heads == ("heads" in cls.fields())
     assert row.uses_budget() == cls.uses_budget()
 

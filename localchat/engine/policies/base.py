@@ -72,6 +72,7 @@ class Policy:
     selects: ClassVar[bool] = False
     default_positions: ClassVar[str] = "compact"
     hybrid: ClassVar[bool] = True  # serves models whose layers are of several kinds (engine/layer_kinds.py)
+    attention_function: ClassVar[bool] = False  # replaces the model's attention function (SDPA + statistics)
     options: ClassVar[dict[str, Option]] = {}  # dataclass field -> how users set it
     budget: int = 1024  # b: units kept per KV head per layer after each chunk
     local: int = 96  # n_loc: last prompt tokens prefilled after the loop, never evicted

@@ -20,6 +20,7 @@ class Entry:
     selects: bool = False
     heads: bool = False  # reads retaining heads (a `heads` field, --heads)
     hybrid: bool = True  # serves models with window or linear-attention layers (Policy.hybrid)
+    attention_function: bool = False  # replaces the model's attention function (Policy.attention_function)
     options: dict[str, Option] = field(default_factory=dict)  # dataclass field -> how users set it
 
     def uses_budget(self) -> bool:
@@ -41,23 +42,25 @@ ROWS = (  # in the order `localchat policies` lists them
                                      "units up to N tokens before it (default 16)")}),
     Entry("full", "full", "no eviction: the whole KV cache (memory grows with the document)", evicts=False),
     Entry("streaming", "streaming", "StreamingLLM: attention sinks + the most recent tokens"),
-    Entry("h2o", "h2o", "H2O: keep heavy hitters (most accumulated attention) + recent tokens"),
-    Entry("snapkv", "snapkv", "SnapKV: keep the tokens the last queries of each chunk attend to (pooled)"),
+    Entry("h2o", "h2o", "H2O: keep heavy hitters (most accumulated attention) + recent tokens",
+          attention_function=True),
+    Entry("snapkv", "snapkv", "SnapKV: keep the tokens the last queries of each chunk attend to (pooled)",
+          attention_function=True),
     Entry("sirllm", "sirllm", "SirLLM: keep start tokens, high-entropy (surprising) tokens and recent tokens"),
     Entry("random", "random", "keep a random budget of units per head (lower bound)"),
     Entry("sagekv", "sagekv", "SAGE-KV: full prefill, then one top-k per head from the last token's attention + "
-                              "sinks + recent"),
+                              "sinks + recent", attention_function=True),
     Entry("omnikv", "omnikv", "OmniKV: keep everything; filter layers pick the tokens later layers attend to, "
-                              "every step", evicts=False, selects=True, hybrid=False, options={
+                              "every step", evicts=False, selects=True, hybrid=False, attention_function=True, options={
               "offload": Option("--offload", bool, "OmniKV on a GPU: keep the sparse layers' K/V in host memory and "
                                 "copy in what they attend to", cuda_only=True),
               "prefill_ratio": Option("--sparse-prefill", float, "OmniKV: while reading, filter layers pick R x chunk "
                                       "earlier tokens for the later layers (the paper's R = 2; default off: full "
                                       "attention)")}),
     Entry("roco", "roco", "RoCo: keep the highest mean attention; units with unsettled (high-std) attention are "
-                          "protected"),
+                          "protected", attention_function=True),
     Entry("corm", "corm", "CORM: keep keys any of the last w queries found important (content-sized, capped by the "
-                          "budget)"),
+                          "budget)", attention_function=True),
 )
 CATALOG: dict[str, Entry] = {row.name: row for row in ROWS}
 

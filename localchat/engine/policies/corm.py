@@ -56,6 +56,7 @@ class CORM(Policy):
     """
 
     name = "corm"
+    attention_function = True  # attention statistics through SDPA (attention_stats.py)
     summary = "CORM: keep keys any of the last w queries found important (content-sized, capped by the budget)"
     evict_per_chunk = False  # §2.5: the rule runs after the prompt; evicting chunk by chunk loses the needle
     evict_each_step = True

@@ -23,6 +23,7 @@ class H2O(Policy):
     """
 
     name = "h2o"
+    attention_function = True  # attention statistics through SDPA (attention_stats.py)
     summary = "H2O: keep heavy hitters (most accumulated attention) + recent tokens"
     recent: int | None = None
 

@@ -73,6 +73,7 @@ class RoCo(Policy):
     """
 
     name = "roco"
+    attention_function = True  # attention statistics through SDPA (attention_stats.py)
     summary = "RoCo: keep the highest mean attention; units with unsettled (high-std) attention are protected"
     default_positions = "original"
     scope_out: int | None = None

@@ -55,6 +55,7 @@ class SageKV(Policy):
     """
 
     name = "sagekv"
+    attention_function = True  # attention statistics through SDPA (attention_stats.py)
     summary = "SAGE-KV: full prefill, then one top-k per head from the last token's attention + sinks + recent"
     evict_per_chunk = False
     evict_each_step = True

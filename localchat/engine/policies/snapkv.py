@@ -23,6 +23,7 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
+    attention_function = True  # attention statistics through SDPA (attention_stats.py)
     summary = "SnapKV: keep the tokens the last queries of each chunk attend to (pooled)"
     window: int = 32
     kernel: int = 5

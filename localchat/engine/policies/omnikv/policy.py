@@ -193,6 +193,7 @@ class OmniKV(Policy):
     """
 
     name = "omnikv"
+    attention_function = True  # attention statistics through SDPA (attention_stats.py)
     summary = "OmniKV: keep everything; filter layers pick the tokens later layers attend to, every step"
     evicts = False
     selects = True
