@@ -37,9 +37,10 @@ def pip_at(monkeypatch, index: str) -> None:
         monkeypatch.setenv(name, value)
 
 
-def wheel(folder: Path, project: str, version: str, files: dict[str, bytes], requires: tuple[str, ...] = ()) -> Path:
+def wheel(folder: Path, project: str, version: str, files: dict[str, bytes], requires: tuple[str, ...] = (),
+          stored: bool = False) -> Path:
     """A valid py3-none-any wheel of `project` holding `files` (path in the wheel -> bytes), with its metadata and
-    RECORD as a build backend writes them."""
+    RECORD as a build backend writes them; `stored`: uncompressed (its size is its payload's)."""
     dist = f"{re.sub(r'[-_.]+', '_', project)}-{version}"
     metadata = f"Metadata-Version: 2.4\nName: {project}\nVersion: {version}\n" + "".join(
         f"Requires-Dist: {r}\n" for r in requires)
@@ -48,7 +49,7 @@ def wheel(folder: Path, project: str, version: str, files: dict[str, bytes], req
     record = "".join(f"{path},sha256={_b64_sha256(data)},{len(data)}\n" for path, data in files.items())
     files[f"{dist}.dist-info/RECORD"] = (record + f"{dist}.dist-info/RECORD,,\n").encode()
     out = folder / f"{dist}-py3-none-any.whl"
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED) as zf:
         for path, data in files.items():
             zf.writestr(path, data)
     return out

