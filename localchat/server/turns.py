@@ -158,10 +158,12 @@ def stops(value, param: str) -> tuple[str, ...]:
 
 def settings(base: GenerationSettings, *, max_new=None, temperature=None, top_p=None, seed=None, stop=(),
              ignore_eos=None) -> GenerationSettings:
-    """The server's defaults with what the request set."""
+    """The server's defaults with what the request set. The request's stops come beside the defaults' (a plain
+    prompt layout's answer ends where its card says, whatever the client asks)."""
     given = {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p, "seed": seed,
              "ignore_eos": ignore_eos}
-    return replace(base, stop=stop, **{k: v for k, v in given.items() if v is not None})
+    stops = tuple(dict.fromkeys((*base.stop, *stop)))
+    return replace(base, stop=stops, **{k: v for k, v in given.items() if v is not None})
 
 
 def conversation(body: dict) -> str | None:

@@ -138,3 +138,14 @@ def test_asking_the_last_question_again_answers_it_from_the_cache_before_it(serv
     assert again.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens_details.cached_tokens
     assert again.choices[0].message.content == second.choices[0].message.content  # greedy: the same answer
     assert len(service.conversations.store.messages(name)[1]) == 4
+
+
+def test_a_requests_stops_come_beside_the_models_own():
+    """A plain prompt layout (a base model's card) ends its answers at its stop; a request's stops add to it."""
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.server import turns
+
+    base = GenerationSettings(stop=("\n",))
+    assert turns.settings(base).stop == ("\n",)
+    assert turns.settings(base, stop=("END", "\n")).stop == ("\n", "END")
+    assert turns.settings(GenerationSettings(), stop=("END",)).stop == ("END",)
