@@ -248,7 +248,7 @@ def measure_speed(engine, tokens: int, chunk: int, baseline: int | None = None) 
     else:
         before = memory.rss_bytes()
         memory.reset_peak_rss()
-    engine.chunk = chunk
+    engine.configure(chunk=chunk)
     t0 = time.perf_counter()
     for ev in engine.generate(ids, GenerationSettings(max_new_tokens=1, ignore_eos=True)):
         if type(ev).__name__ == "Error":

@@ -145,7 +145,7 @@ def measure(args) -> dict:
         heads = RetainingHeads.random(engine.model, d_r=args.d_r)
         engine.set_policy(make_policy("locret", budget=args.budget, heads=heads), "compact")
         if args.chunk:
-            engine.chunk = args.chunk
+            engine.configure(chunk=args.chunk)
         ids = _tokens(engine, args.length, 0)
         cache = engine.new_cache(args.length, args.tokens)
         sync(engine.device)

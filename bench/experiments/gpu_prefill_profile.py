@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     engine.set_policy(make_policy("locret", budget=args.budget, heads=RetainingHeads.random(engine.model, d_r=args.d_r)),
                       "compact")
     if args.chunk:
-        engine.chunk = args.chunk
+        engine.configure(chunk=args.chunk)
     vocab = engine.model.config.vocab_size
     ids = torch.randint(vocab // 8, vocab // 2, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
     read(engine, ids[:2048], 1)  # warm-up

@@ -512,7 +512,8 @@ def measure_chunk(engine, budget: int, chunk: int, max_new: int = 0, baseline: i
     n = budget + 2 * chunk + p.local
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, len(engine.tokenizer), (n,), generator=gen).tolist()
-    old_chunk, engine.chunk = engine.chunk, chunk
+    old_chunk = engine.chunk
+    engine.configure(chunk=chunk)
     cuda = engine.device.type == "cuda"
     kept = {k: getattr(p, k) for k in p.options if hasattr(p, k)} | {"budget": p.budget}
     if p.uses_budget():  # measure at this budget (the policy's own rule settles what depends on it)
@@ -539,7 +540,7 @@ def measure_chunk(engine, budget: int, chunk: int, max_new: int = 0, baseline: i
         peak = memory.peak_rss_bytes()
         return peak - baseline if baseline is not None else memory.model_bytes(engine.model) + peak - before
     finally:
-        engine.chunk = old_chunk
+        engine.configure(chunk=old_chunk)
         for key, value in kept.items():
             setattr(p, key, value)
 
@@ -569,7 +570,7 @@ def verify(engine, plan: Plan, baseline: int | None = None, tries: int = 4) -> P
     measured miss (a cheaper cache where the plan chose it, a smaller budget or chunk) or else halve the chunk
     (then cut the budget by a quarter), and measure again. The returned plan carries the measured peak."""
     for _ in range(tries):
-        engine.kv = plan.kv  # the cache the plan is for (the weights are loaded)
+        engine.configure(kv=plan.kv)  # the cache the plan is for (the weights are loaded)
         peak = measure_chunk(engine, plan.budget, plan.chunk, plan.request.max_new, baseline)
         plan.measured_peak = peak
         if peak + plan.estimate.margin <= plan.memory:

@@ -64,8 +64,8 @@ def test_a_step_gives_transformers_logits_and_cache(arch, path, tok):
     policy.detach()
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-@pytest.mark.parametrize("policy", ["locret", "sirllm", "full", "h2o"])
+@pytest.mark.parametrize(("policy", "arch"), [  # H2O cannot serve gpt-oss (its sinks): the policy matrix checks that
+    (p, a) for p in ("locret", "sirllm", "full", "h2o") for a in sorted(ARCHITECTURES) if (p, a) != ("h2o", "gpt_oss")])
 def test_the_engine_answers_the_same_with_and_without_it(arch, policy, tok, monkeypatch):
     """Whole answers, greedy, with evictions while decoding: the same tokens either way. It runs where it can
     (Llama-layout models on the plain cache with plain SDPA), and never for a policy that switched the attention

@@ -428,7 +428,9 @@ def test_verify_plans_a_cheaper_cache_around_a_measured_miss(monkeypatch):
         return used + (int(1.5 * m.GIB) if engine.kv == "none" else 0)
 
     monkeypatch.setattr(planner, "measure_chunk", fake)
-    checked = planner.verify(SimpleNamespace(kv="none"), plan)
+    engine = SimpleNamespace(kv="none")
+    engine.configure = lambda kv=None, **_: setattr(engine, "kv", kv or engine.kv)  # Engine.configure's kv
+    checked = planner.verify(engine, plan)
     assert seen == ["none", checked.kv] and checked.kv == "int8" and checked.budget == 16384
     assert checked.measured_peak + checked.estimate.margin <= checked.memory == plan.memory
     assert any("does not fit; trying int8 cache" in n for n in checked.notes)
