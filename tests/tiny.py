@@ -56,14 +56,20 @@ CONFIGS = Path(__file__).parent / "data" / "configs"
 ARCHITECTURES = {  # one row per architecture: a real config file, or the model_type of transformers' own config
     "llama": "llama-3.1-8b-instruct.json", "qwen2": "qwen2.5-7b-instruct.json", "phi3": "phi-3-mini-128k-instruct.json",
     "mistral": {"model_type": "mistral", "sliding_window": None}, "qwen3": {"model_type": "qwen3"},
-    # hybrids: transformers' own configs with their layer patterns, windows small enough for a 1.4K document
-    "gemma3_text": {"model_type": "gemma3_text", "tiny": {
-        "num_hidden_layers": 4, "sliding_window": 64, "query_pre_attn_scalar": 16,
+    # hybrids: their real configs, four layers of their layer patterns, windows small enough for a 1.4K document
+    "gemma3_text": {"file": "gemma-3-12b-it.json", "tiny": {
+        "num_hidden_layers": 4, "sliding_window": 64,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]}},
-    "gpt_oss": {"model_type": "gpt_oss", "tiny": {
+    "gpt_oss": {"file": "gpt-oss-20b.json", "tiny": {
         "num_hidden_layers": 4, "sliding_window": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "attention": "eager"},
+        "experts_per_token": 2, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                                "full_attention"]}, "attention": "eager"},
+    "qwen3_5_text": {"file": "qwen3.6-27b.json", "tiny": {
+        "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                                         "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                                                         "mrope_interleaved": True},
+        "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]}},
     "qwen3_next": {"model_type": "qwen3_next", "tiny": {
         "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
@@ -71,18 +77,22 @@ ARCHITECTURES = {  # one row per architecture: a real config file, or the model_
         "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]}},
     "smollm3": {"model_type": "smollm3", "tiny": {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}},
 }
-HYBRIDS = ("gemma3_text", "gpt_oss", "qwen3_next", "smollm3")  # layers of more than one kind (or without RoPE)
+HYBRIDS = ("gemma3_text", "gpt_oss", "qwen3_5_text", "qwen3_next", "smollm3")  # layers of more than one kind (or without RoPE)
 
 
 def tiny_architecture(name: str, vocab_size: int):
-    """A two-layer random model of an architecture's real config (its own attention layout and RoPE)."""
+    """A two-layer (hybrids: four-layer) random model of an architecture's real config (its own attention layout
+    and RoPE)."""
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     row = ARCHITECTURES[name]
-    cfg = dict(row) if isinstance(row, dict) else json.loads((CONFIGS / row).read_text())
-    tiny, attention = cfg.pop("tiny", {}), cfg.pop("attention", "sdpa")
+    row = {"file": row} if isinstance(row, str) else dict(row)
+    tiny, attention, file = row.pop("tiny", {}), row.pop("attention", "sdpa"), row.pop("file", None)
+    cfg = json.loads((CONFIGS / file).read_text()) if file else {}
+    cfg = {**cfg.get("text_config", cfg), **row}  # a multimodal config's text model
+    cfg.pop("quantization_config", None)
     cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=vocab_size, max_position_embeddings=4096,
                tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)

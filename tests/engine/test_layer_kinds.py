@@ -1,5 +1,6 @@
 """Models whose layers keep different things (engine/layer_kinds.py, engine/cache.py): Gemma 3's sliding and
-global layers, gpt-oss's (with sinks), Qwen3-Next's linear-attention layers, SmolLM3's layers without RoPE.
+global layers, gpt-oss's (with sinks), Qwen3.5's and Qwen3-Next's linear-attention layers, SmolLM3's layers
+without RoPE.
 
 Tiny random models of each (tests/tiny.py HYBRIDS). Where the policy keeps everything, the engine's chunked read
 and a follow-up give transformers' own logits; a window layer never holds more than its window needs; compact
@@ -50,7 +51,8 @@ def test_layer_kinds_read_the_families_layouts(model):
     assert len(kinds) == model.config.num_hidden_layers
     kind = model.config.model_type
     expected = {"gemma3_text": "1 global, 3 window (64)", "gpt_oss": "2 global, 2 window (32)",
-                "qwen3_next": "1 global, 3 state", "smollm3": "4 global; 1 without RoPE"}[kind]
+                "qwen3_next": "1 global, 3 state", "qwen3_5_text": "1 global, 3 state",
+                "smollm3": "4 global; 1 without RoPE"}[kind]
     assert summary(kinds) == expected
 
 

@@ -2,8 +2,10 @@
 
 Architectures are tiny random models built from the real configs in tests/data/configs (Llama-3.1: q/k/v
 projections; Qwen2.5: q/k/v biases; Phi-3: one fused qkv projection) or transformers' own configs (Mistral;
-Qwen3: q/k norms), shrunk to two layers; and the hybrids (tests/tiny.py HYBRIDS: Gemma 3's sliding and global
-layers, gpt-oss's with sinks, Qwen3-Next's linear-attention layers, SmolLM3's layers without RoPE), four layers.
+Qwen3: q/k norms), shrunk to two layers; and the hybrids (tests/tiny.py HYBRIDS), four layers of their patterns:
+Gemma 3's sliding and global layers, gpt-oss's with sinks, Qwen3.5's gated linear-attention layers (from the real
+configs of Gemma-3-12B-IT, gpt-oss-20b and Qwen3.6-27B), Qwen3-Next's and SmolLM3's layers without RoPE
+(transformers' own configs).
 A policy that cannot serve a hybrid is refused in one line. Each policy reads
 a 1.4K-token document in chunks and answers, then answers a follow-up on the same session (the compressed
 cache carried across turns): both turns finish, an evicting policy's cache stays inside its bound, and the
