@@ -179,13 +179,19 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, S
     sources: dict[str, Source] = {}
     options = option_keys()
     heads = given.get("heads")
+    chosen = (card.policy if card else {}) or {}  # the card's measured default where no heads exist
     if name is None:
         release = card is not None and bool(card.heads_release)  # official heads, fetched at first load
-        name = DEFAULT_POLICY if heads or shipped_heads_dir(card) or release else PLAIN_POLICY
-        sources["policy"] = Source.default("heads ship for the model" if shipped_heads_dir(card) or heads else
-                                           "official heads for the model, fetched at first load" if release else None)
+        if heads or shipped_heads_dir(card) or release or not chosen.get("name"):
+            name = DEFAULT_POLICY if heads or shipped_heads_dir(card) or release else PLAIN_POLICY
+            sources["policy"] = Source.default("heads ship for the model" if shipped_heads_dir(card) or heads else
+                                               "official heads for the model, fetched at first load" if release
+                                               else None)
+        else:
+            name, sources["policy"] = str(chosen["name"]), Source(Kind.CARD)
     else:
         sources["policy"] = given_from.get("policy", FLAG)
+    chosen = chosen if chosen.get("name") == name else {}
     cls = policy_class(name)
     for key, (field_name, flag) in options.items():
         if given.get(key) not in (None, False) and field_name not in cls.options:
@@ -206,7 +212,9 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, S
         if given.get(key) is not None and not (field_name in cls.options and given[key] is False):
             values[field_name], sources[field_name] = given[key], given_from.get(key, FLAG)
             given_keys.add(field_name)
-        elif field_name in locret and field_name != "positions":
+        elif field_name in chosen and field_name not in ("name", "positions"):
+            values[field_name], sources[field_name] = chosen[field_name], Source(Kind.CARD)
+        elif field_name in locret and field_name != "positions" and not chosen:
             values[field_name], sources[field_name] = locret[field_name], Source(Kind.CARD)
     defaults = cls()
     before = {**{f: getattr(defaults, f) for f in cls.options}, **values}
@@ -216,6 +224,8 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, S
             sources[field_name] = sources.get(field_name, Source(Kind.POLICY_DEFAULT)).noted("lowered to fit the budget")
     if "positions" in given:
         positions, sources["positions"] = given["positions"], given_from.get("positions", FLAG)
+    elif chosen.get("positions"):
+        positions, sources["positions"] = str(chosen["positions"]), Source(Kind.CARD)
     else:
         positions, sources["positions"] = cls.positions_default(), Source(Kind.POLICY_DEFAULT)
     settings = {k: v for k, v in values.items() if k != "heads"}

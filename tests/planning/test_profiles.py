@@ -279,3 +279,20 @@ def test_bad_config_files_and_dirs_are_one_line_errors(config, capsys, tmp_path,
     monkeypatch.delenv("LOCALCHAT_DATA_DIR")
     assert main(["sessions", "--delete", ""]) == 2
     assert "session name is empty" in capsys.readouterr().err
+
+
+def test_a_cards_measured_policy_is_the_default_where_no_heads_exist(config):
+    """Gemma 3 270M has no heads; its card names SirLLM at b=512 and original positions (measured). A flag wins, and
+    the card's budget and positions follow only its own policy."""
+    from localchat.planning.resolve import resolve
+    from localchat.planning.sources import Kind
+
+    spec = resolve({"model": "gemma3-270m"}, env={}, plan=False, quiet=True)
+    assert (spec.policy.name, spec.policy.budget, spec.policy.positions) == ("sirllm", 512, "original")
+    assert spec.sources["policy"].kind == spec.sources["budget"].kind == spec.sources["positions"].kind == Kind.CARD
+    spec = resolve({"model": "gemma3-270m", "budget": 256}, env={}, plan=False, quiet=True)
+    assert (spec.policy.name, spec.policy.budget) == ("sirllm", 256) and spec.sources["budget"].kind == Kind.FLAG
+    spec = resolve({"model": "gemma3-270m", "policy": "streaming"}, env={}, plan=False, quiet=True)
+    assert spec.policy.positions == "compact" and spec.policy.budget != 512  # the streaming policy's own defaults
+    spec = resolve({}, env={}, plan=False, quiet=True)  # the default model: its shipped heads, LOCRET
+    assert spec.policy.name == "locret" and spec.sources["policy"].kind == Kind.DEFAULT
