@@ -85,9 +85,10 @@ def test_an_empty_or_broken_question_is_refused_before_the_engine(tiny_engine, m
 
 @pytest.mark.parametrize("session", [False, True], ids=["one-off", "saved chat"])
 def test_ask_reports_an_engine_failure_the_same_way_with_or_without_a_session(tiny_dir, monkeypatch, capsys,
-                                                                              session) -> None:
+                                                                              session, tmp_path) -> None:
     from localchat.engine.engine import Engine
 
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(tmp_path / "data"))  # a chat of its own: no other test's "s"
     def broken(self, *args, **kwargs):
         raise RuntimeError("kernel exploded")
         yield  # pragma: no cover - a generator

@@ -251,10 +251,12 @@ class Engine:
                     f"lower --budget or --chunk"
                 )
         elif n_total >= self.window:
+            way = ("--positions compact" if self.policy.bounded() else
+                   "an evicting policy at compact positions (--policy locret --positions compact, or sirllm "
+                   "where the model has no heads)")
             raise TooLong(
                 f"the conversation is {n_total} tokens but {self.name} reads at most {self.window} with "
-                f"{self.policy.name} attention at {self.positions} positions; use --policy locret "
-                f"--positions compact, or shorten the document"
+                f"{self.policy.name} attention at {self.positions} positions; use {way}, or shorten the document"
             )
 
     @torch.inference_mode()

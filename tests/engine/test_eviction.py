@@ -144,7 +144,11 @@ def test_compact_positions_stay_bounded_past_the_window(tiny_tok):
     assert isinstance(done, Done) and done.prompt_tokens > 3000
     assert done.kv_tokens <= 128 + 16 + 8
     engine.set_policy(make_policy("streaming", budget=128, local=16), "original")
-    assert "reads at most 512" in list(engine.chat([{"role": "user", "content": "lorem ipsum " * 300}]))[-1].message
+    refused = list(engine.chat([{"role": "user", "content": "lorem ipsum " * 300}]))[-1].message
+    assert "reads at most 512" in refused and refused.endswith("use --positions compact, or shorten the document")
+    engine.set_policy(make_policy("full"))
+    refused = list(engine.chat([{"role": "user", "content": "lorem ipsum " * 300}]))[-1].message
+    assert "an evicting policy at compact positions" in refused
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
