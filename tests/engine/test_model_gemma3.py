@@ -85,3 +85,28 @@ def test_a_bounded_policy_finds_the_key_with_an_eighth_of_the_global_cache(gemma
     done = list(engine.generate(ids, GenerationSettings(max_new_tokens=8, temperature=0.0)))[-1]
     assert done.kv_tokens <= 256 + 64 + 8 and len(ids) > 2900
     assert score_passkey(sample, done.text.split(CARD.stop[0])[0]), (sample.answer, done.text)
+
+
+@pytest.mark.slow  # two processes load the 1 GB model: minutes on two cores (the tiny hybrids test the same each run)
+def test_ask_reads_a_document_once_across_two_processes(tmp_path, gemma3):
+    """`localchat --model gemma3-270m ask --session` as a user runs it: the card's policy reads the document and finds
+    the key; a second process continues the saved chat and reads only the new question."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    tok = gemma3.tokenizer
+    sample = passkey(tok, 2000, seed=5)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(sample.document, encoding="utf-8")
+    env = {**os.environ, "LOCALCHAT_DATA_DIR": str(tmp_path / "data")}
+    base = [sys.executable, "-m", "localchat", "--model", "gemma3-270m", "ask", "--session", "g", "--stats"]
+    first = subprocess.run([*base, "--file", str(doc), sample.question], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert score_passkey(sample, first.stdout), (sample.answers, first.stdout)
+    read = lambda err: int(re.search(r"read ([\d,]+) tokens", err).group(1).replace(",", ""))  # noqa: E731
+    assert "[sirllm, original positions]" in first.stderr and read(first.stderr) > 1900
+    second = subprocess.run([*base, "What was the pass key?"], env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert read(second.stderr) < 40 and "read again" not in second.stderr
