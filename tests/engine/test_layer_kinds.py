@@ -179,3 +179,46 @@ def test_a_chat_continues_after_a_restart_without_a_re_read(model, tok, tmp_path
     want = list(chat.send("And then?", settings=settings))[-1]
     got = list(reopened.send("And then?", settings=settings))[-1]
     assert got.text == want.text and got.prompt_tokens == want.prompt_tokens < 40
+
+
+@torch.inference_mode()
+def test_a_quantized_cache_keeps_the_global_layers_packed_and_reads_as_the_plain_one(model, tok):
+    """--kv int8 on a hybrid: the governed layers are quantized (stored un-rotated in compact positions, partial RoPE
+    included), the window and state layers stay as they are; StreamingLLM keeps the same units either way, so the
+    logits after a read with evictions match the plain cache's to int8's precision."""
+    from localchat.engine.qcache import QuantizedKVCache, QuantizedKVLayer
+
+    ids = _ids(400, len(tok))
+    got = {}
+    for kv in ("none", "int8"):
+        engine = Engine(model, tok, chunk=CHUNK, kv=kv)
+        engine.set_policy(make_policy("streaming", budget=64, local=16))
+        cache = engine.new_cache(400, 4)
+        got[kv] = _read(model, cache, ids, engine.policy)
+        if kv == "int8":
+            assert isinstance(cache, QuantizedKVCache)
+            assert all(isinstance(layer, QuantizedKVLayer) == (i in cache.governed) for i, layer in enumerate(cache.layers))
+    scale = got["none"].abs().max()
+    assert (got["int8"] - got["none"]).abs().max() < 0.003 * scale  # measured up to 0.0009 on these models
+
+
+def test_a_quantized_layer_moves_partial_rope_keys_to_their_slots():
+    """Partial RoPE (4 of 16 dims) in compact positions: after an eviction the quantized layer's keys, read back,
+    are the plain layer's (rotated to the kept units' slots) to int8 precision; the other 12 dims never move."""
+    from localchat.engine.cache import KVLayer
+    from localchat.engine.qcache import QuantizedKVLayer
+
+    g = torch.Generator().manual_seed(1)
+    raw, values = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 4, 2).float() / 4))
+    keys = rotate(raw, *rope_table(torch.arange(40), inv_freq))  # at their true positions 0..39
+    idx = torch.stack([torch.arange(0, 40, 3)[:10], torch.arange(5, 40, 2)[:10]])
+    plain, packed = KVLayer(), QuantizedKVLayer(bits=8)
+    packed.inv_freq = inv_freq
+    for layer in (plain, packed):
+        layer.update(keys, values)
+        layer.keep(idx, inv_freq)
+    want = rotate(raw.gather(2, idx[None, :, :, None].expand(-1, -1, -1, 16)), *rope_table(torch.arange(10), inv_freq))
+    torch.testing.assert_close(plain.keys, want, atol=1e-5, rtol=1e-5)
+    got, _ = packed.whole(torch.float32)
+    assert (got - want).abs().max() < 0.05 and (got - want)[..., :4].abs().max() < 0.05
