@@ -298,6 +298,22 @@ class KVCache(Cache):
         # unit back as plain layers and end the extension).
         self.extension = None
 
+    def empty_now(self) -> bool:
+        """True while no layer holds anything (no unit, no state)."""
+        return all(layer.get_seq_length() == 0 for layer in self.layers if isinstance(layer, DynamicLayer)) \
+            and not _states(self) and self.extension is None
+
+    def start_at(self, positions: str, inv_freq) -> None:
+        """An empty cache takes other positions (and their RoPE frequencies, one per layer or one for all)."""
+        if not self.empty_now():
+            raise ValueError("only an empty cache changes its positions")
+        freqs = list(inv_freq) if isinstance(inv_freq, (list, tuple)) else [inv_freq] * len(self.layers)
+        self.positions, self.inv_freqs = positions, freqs
+        self.inv_freq = next((freqs[i] for i in self.governed if freqs[i] is not None), None)
+        for i in self.governed:  # a quantized layer stores compact keys un-rotated (engine/qcache.py)
+            if hasattr(self.layers[i], "inv_freq"):
+                self.layers[i].inv_freq = freqs[i] if positions == "compact" else None
+
     def _layer(self, kind: LayerKind, reserve: int):
         if kind.kind == WINDOW:
             return WindowLayer(kind.window, min(reserve, kind.window - 1 + max(self.tail, WindowLayer.slack)))

@@ -192,27 +192,42 @@ class Engine:
             settings.validate()
             if not prompt_ids:
                 raise UserError("nothing to read: the prompt is empty")
-            self._check_window(first_pos + len(prompt_ids))
+            n_total = first_pos + len(prompt_ids)
+            fresh = cache is None or cache.empty_now()
+            past = fresh and self._past_window(n_total)  # a new conversation longer than the window
+            positions = "compact" if past else cache.positions if cache is not None else self.positions
+            self._check_window(n_total, positions)
             if self.admit is not None:  # refuse, before reading, what memory cannot hold (planning/load.py)
                 self.admit(self, len(prompt_ids), settings.max_new_tokens, cache.get_seq_length() if cache is not None else 0)
             if cache is None:
-                cache = self.new_cache(len(prompt_ids), settings.max_new_tokens)
+                cache = self.new_cache(len(prompt_ids), settings.max_new_tokens, positions=positions)
+            elif past and cache.positions != "compact":
+                cache.start_at("compact", layer_inv_freqs(self.model, self.kinds))
+            if past:
+                yield Notice(f"the conversation is longer than {self.name}'s window of {self.window:,} tokens: read "
+                             f"at compact positions (each kept unit at its slot)")
             yield from self._generate(cache, prompt_ids, first_pos, settings, cancel, keep_last)
         except UserError as exc:
             yield Error(str(exc), exc)
         except torch.OutOfMemoryError as exc:
             yield Error("out of memory while generating; try a smaller --chunk or a shorter document", exc)
 
-    def new_cache(self, prompt_tokens: int = 0, max_new: int = 0) -> KVCache:
-        """An empty cache for the current policy, its first allocation sized for the expected peak."""
+    def new_cache(self, prompt_tokens: int = 0, max_new: int = 0, positions: str | None = None) -> KVCache:
+        """An empty cache for the current policy, its first allocation sized for the expected peak; at the engine's
+        positions, or `positions` (a conversation past the window at compact ones, a saved cache's)."""
         reserve = peak_units(self.policy, prompt_tokens, self.chunk, max_new)
-        kinds = self.kinds
-        inv_freq = layer_inv_freqs(self.model, kinds) if self.positions == "compact" else None
+        kinds, positions = self.kinds, positions or self.positions
+        inv_freq = layer_inv_freqs(self.model, kinds) if positions == "compact" else None
         if self.kv != "none":
-            return QuantizedKVCache(len(kinds), kv_bits(self.kv), reserve=reserve, positions=self.positions,
+            return QuantizedKVCache(len(kinds), kv_bits(self.kv), reserve=reserve, positions=positions,
                                     inv_freq=inv_freq, tail=self.chunk + RESIDUAL, kinds=kinds)
-        return KVCache(len(kinds), reserve=reserve, positions=self.positions, inv_freq=inv_freq, kinds=kinds,
+        return KVCache(len(kinds), reserve=reserve, positions=positions, inv_freq=inv_freq, kinds=kinds,
                        tail=self.chunk)
+
+    def _past_window(self, n_total: int) -> bool:
+        """True when an evicting policy at original positions gets more than the window: compact positions let it
+        read on (original ones hold inside the window, where a model like Gemma 3 270M reads better with them)."""
+        return bool(self.window) and n_total >= self.window and self.policy.bounded() and self.positions == "original"
 
     def _chunk_halved(self, chunk: int) -> None:
         """Prefill ran out of memory and halved the chunk: later reads use the smaller one."""
@@ -240,10 +255,10 @@ class Engine:
         """True when positions stay bounded by the budget (compact positions with an evicting policy)."""
         return self.policy.bounded() and self.positions == "compact"
 
-    def _check_window(self, n_total: int) -> None:
+    def _check_window(self, n_total: int, positions: str | None = None) -> None:
         if not self.window:
             return
-        if self.compressing:
+        if self.policy.bounded() and (positions or self.positions) == "compact":
             peak = self.policy.budget + max(self.chunk, self.policy.local + 2 * self.policy.decode_window)
             if peak >= self.window:
                 raise UserError(
@@ -256,7 +271,8 @@ class Engine:
                    "where the model has no heads)")
             raise TooLong(
                 f"the conversation is {n_total} tokens but {self.name} reads at most {self.window} with "
-                f"{self.policy.name} attention at {self.positions} positions; use {way}, or shorten the document"
+                f"{self.policy.name} attention at {positions or self.positions} positions; use {way}, or shorten the "
+                f"document"
             )
 
     @torch.inference_mode()

@@ -178,8 +178,9 @@ class CacheFiles:
             raise
         except Exception as exc:  # noqa: BLE001 - a damaged file: say so, re-read
             return f"the file is damaged: {first_line(exc)}"
-        cache = engine.new_cache()
-        if int(meta.get("layers", -1)) != len(cache.layers) or meta.get("positions") != cache.positions:
+        saved_at = meta.get("positions")  # an evicting policy reads a conversation past the window at compact ones
+        cache = engine.new_cache(positions="compact" if saved_at == "compact" and engine.policy.bounded() else None)
+        if int(meta.get("layers", -1)) != len(cache.layers) or saved_at != cache.positions:
             return "its shape does not fit this model"
         try:
             cache.load_tensors(tensors)

@@ -8,7 +8,7 @@ from tiny import tiny_llama
 
 from localchat.engine.cache import KVCache
 from localchat.engine.engine import Engine
-from localchat.engine.events import Done
+from localchat.engine.events import Done, Notice
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.policies.base import PROTECT
@@ -144,7 +144,12 @@ def test_compact_positions_stay_bounded_past_the_window(tiny_tok):
     assert isinstance(done, Done) and done.prompt_tokens > 3000
     assert done.kv_tokens <= 128 + 16 + 8
     engine.set_policy(make_policy("streaming", budget=128, local=16), "original")
-    refused = list(engine.chat([{"role": "user", "content": "lorem ipsum " * 300}]))[-1].message
+    events = list(engine.chat([{"role": "user", "content": "lorem ipsum " * 300}], GenerationSettings(max_new_tokens=8)))
+    assert isinstance(events[-1], Done) and events[-1].kv_tokens <= 128 + 16 + 8  # a new conversation past the window
+    assert any(isinstance(e, Notice) and "read at compact positions" in e.message for e in events)
+    cache = engine.new_cache()  # a conversation at original positions that grows past the window
+    list(engine.continue_on(cache, engine.encode("lorem ipsum " * 30), 0, GenerationSettings(max_new_tokens=2)))
+    refused = list(engine.continue_on(cache, engine.encode("lorem ipsum " * 300), 200))[-1].message
     assert "reads at most 512" in refused and refused.endswith("use --positions compact, or shorten the document")
     engine.set_policy(make_policy("full"))
     refused = list(engine.chat([{"role": "user", "content": "lorem ipsum " * 300}]))[-1].message

@@ -496,3 +496,19 @@ def test_a_kept_turn_whose_chat_changed_since_is_saved_as_a_chat_of_its_own(tiny
     out, err = capsys.readouterr()
     assert "is saved now, as chat 't (kept)' (the chat changed since)" in err and "t (kept)" in out
     assert _saved_questions(data) == ["first"] and _saved_questions(data, "t (kept)") == ["second"]
+
+
+def test_a_chat_read_past_the_window_at_compact_positions_reopens_without_a_re_read(tiny_tok, tmp_path):
+    """An evicting policy at original positions reads a document longer than the window at compact positions; the
+    saved cache says so and is reused as it is after a restart."""
+    engine = Engine(tiny_llama(len(tiny_tok), window=512), tiny_tok, name="tiny", chunk=64)
+    engine.set_policy(make_policy("streaming", budget=128, local=16), "original")
+    chat = Session(engine)
+    _answer(chat.send("lorem ipsum " * 300 + "What?", (), SETTINGS))
+    assert chat.cache.positions == "compact" and engine.positions == "original"
+    name = Store(tmp_path / "c.sqlite3").save(chat, "long")
+    reopened, notices = Store(tmp_path / "c.sqlite3").load(name, engine)
+    assert notices == [] and reopened.cache.positions == "compact"
+    _, want, done_a = _answer(chat.send("And?", (), SETTINGS))
+    _, got, done_b = _answer(reopened.send("And?", (), SETTINGS))
+    assert got == want and done_b.prompt_tokens == done_a.prompt_tokens < 40
