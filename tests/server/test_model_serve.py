@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from localchat.bench.tasks import as_document, passkey
+from localchat.bench.tasks import as_document, passkey, score_passkey
 from localchat.engine.sampling import GenerationSettings
 from localchat.planning.load import policy_for
 from localchat.render import user_turn
@@ -71,3 +71,29 @@ def test_eight_clients_on_eight_documents_each_get_their_own_pass_key(serve, loc
         assert again == name and sample.answer in first
         assert second.usage.prompt_tokens_details.cached_tokens > 800
         assert sample.answer in second.choices[0].message.content
+
+
+def test_gemma3_reads_a_document_once_across_a_restart(serve):
+    """The real Gemma 3 270M (a base model: the card's plain layout and its stop) behind the server with the card's
+    policy (SirLLM b=512, original positions): the follow-up after a restart comes from the saved cache."""
+    from localchat.engine.cards import find_card
+    from localchat.engine.engine import Engine
+    from localchat.engine.policies import make_policy
+
+    card = find_card("gemma3-270m")
+    gemma = Engine.load("gemma3-270m")
+    gemma.set_policy(make_policy("sirllm", budget=512), positions="original")
+    defaults = GenerationSettings(max_new_tokens=12, stop=card.stop)
+    sample = passkey(gemma.tokenizer, 2000, seed=5)
+    question = [{"role": "user", "content": user_turn(sample.question, [as_document(sample.document)])}]
+    service = serve(gemma, defaults=defaults)
+    first, name = ask(service, question)
+    assert first.usage.prompt_tokens > 2000 and "\n" not in first.choices[0].message.content
+    assert score_passkey(sample, first.choices[0].message.content), (sample.answers, first.choices[0].message.content)
+    service.stop()
+    restarted = serve(gemma, defaults=defaults)
+    follow = question + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "Say the pass key once more."}]
+    second, again = ask(restarted, follow)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert again == name and cached >= first.usage.prompt_tokens and second.usage.prompt_tokens - cached < 40
