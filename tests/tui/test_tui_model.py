@@ -45,3 +45,37 @@ def test_twenty_thousand_token_pass_key_and_a_follow_up(smollm2, tmp_path):
         assert len(answers(app)) == 2 and answers(app)[1].text.strip()
 
     run(scenario, make_app(smollm2, settings=GenerationSettings(max_new_tokens=24)))
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_gemma3_answers_about_a_dropped_document_and_a_follow_up(tmp_path):
+    """The chat window on the real Gemma 3 270M (a hybrid: 3 global and 15 sliding layers) with its card's policy:
+    a 3K-token document's pass key, then a follow-up that reads only itself."""
+    from localchat.engine.cards import find_card
+    from localchat.engine.engine import Engine
+    from localchat.engine.policies import make_policy
+
+    gemma = Engine.load("gemma3-270m")
+    gemma.set_policy(make_policy("sirllm", budget=512), positions="original")
+    sample = passkey(gemma.tokenizer, 3000, seed=5)
+    path = tmp_path / "notes.txt"
+    path.write_text(sample.document)
+
+    async def scenario(app, pilot):
+        seen = record_events(app)
+        await paste(pilot, f"'{path}'")
+        await settle(pilot, timeout=60)
+        await type_text(pilot, sample.question)
+        await settle(pilot, timeout=600)
+        first = [e for e in seen if isinstance(e, Done)][-1]
+        assert first.prompt_tokens > 2900 and first.kv_tokens < 700  # the global layers keep about 1/5 of 3K
+        assert sample.answer in answers(app)[0].text
+        seen.clear()
+        await type_text(pilot, "Say the pass key once more.")
+        await settle(pilot, timeout=300)
+        second = [e for e in seen if isinstance(e, Done)][-1]
+        assert second.prompt_tokens < 40 and second.new_tokens > 0
+
+    stop = find_card("gemma3-270m").stop
+    run(scenario, make_app(gemma, settings=GenerationSettings(max_new_tokens=12, stop=stop)))
