@@ -12,6 +12,20 @@ from localchat.engine.sampling import GenerationSettings
 from localchat.tui.widgets.progress import PrefillProgress
 
 
+def _document(path, sample):
+    """`sample`'s document written to `path`: (sample, path)."""
+    path.write_text(sample.document)
+    return sample, path
+
+
+async def _drop(app, pilot, path):
+    """Paste `path` into the prompt as a user drops a file; the events seen from here on."""
+    seen = record_events(app)
+    await paste(pilot, f"'{path}'")
+    await settle(pilot, timeout=60)
+    return seen
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_twenty_thousand_token_pass_key_and_a_follow_up(smollm2, tmp_path):
@@ -19,14 +33,10 @@ def test_twenty_thousand_token_pass_key_and_a_follow_up(smollm2, tmp_path):
 
     smollm2.set_policy(policy_for(smollm2, None))  # the default: LOCRET with the shipped heads
     assert smollm2.policy.name == "locret"
-    sample = passkey(smollm2.tokenizer, 20_000, seed=3, depth=0.5)
-    path = tmp_path / "long notes.txt"
-    path.write_text(sample.document)
+    sample, path = _document(tmp_path / "long notes.txt", passkey(smollm2.tokenizer, 20_000, seed=3, depth=0.5))
 
     async def scenario(app, pilot):
-        seen = record_events(app)
-        await paste(pilot, f"'{path}'")
-        await settle(pilot, timeout=60)
+        seen = await _drop(app, pilot, path)
         assert chips(app) == [f"long notes.txt · {smollm2.count_tokens(sample.document):,} tokens ✕"]
         await type_text(pilot, sample.question)
         await wait_for(pilot, lambda: app.screen.query_one(PrefillProgress).display
@@ -58,14 +68,10 @@ def test_gemma3_answers_about_a_dropped_document_and_a_follow_up(tmp_path):
 
     gemma = Engine.load("gemma3-270m")
     gemma.set_policy(make_policy("sirllm", budget=512), positions="original")
-    sample = passkey(gemma.tokenizer, 3000, seed=5)
-    path = tmp_path / "notes.txt"
-    path.write_text(sample.document)
+    sample, path = _document(tmp_path / "notes.txt", passkey(gemma.tokenizer, 3000, seed=5))
 
     async def scenario(app, pilot):
-        seen = record_events(app)
-        await paste(pilot, f"'{path}'")
-        await settle(pilot, timeout=60)
+        seen = await _drop(app, pilot, path)
         await type_text(pilot, sample.question)
         await settle(pilot, timeout=600)
         first = [e for e in seen if isinstance(e, Done)][-1]
