@@ -253,12 +253,16 @@ class Engine:
     @property
     def compressing(self) -> bool:
         """True when positions stay bounded by the budget (compact positions with an evicting policy)."""
-        return self.policy.bounded() and self.positions == "compact"
+        return self._bounded_at(self.positions)
+
+    def _bounded_at(self, positions: str) -> bool:
+        """True when an evicting policy at `positions` keeps the RoPE positions bounded by the budget."""
+        return self.policy.bounded() and positions == "compact"
 
     def _check_window(self, n_total: int, positions: str | None = None) -> None:
         if not self.window:
             return
-        if self.policy.bounded() and (positions or self.positions) == "compact":
+        if self._bounded_at(positions or self.positions):
             peak = self.policy.budget + max(self.chunk, self.policy.local + 2 * self.policy.decode_window)
             if peak >= self.window:
                 raise UserError(
@@ -323,7 +327,7 @@ class Engine:
             if lean is None and self.decoding.lean and lean_supported(self.model, target):
                 lean = DecodeStep(self.model, target, on_qkv=p.qkv_sink() if attached else None)
             pos = first_pos + n
-            if self.window and not (self.compressing and p.decode_window):  # RoPE positions left
+            if self.window and not (self._bounded_at(cache.positions) and p.decode_window):  # RoPE positions left
                 max_new = min(max_new, self.window - cache.next_position(pos))  # the cache, not a view: it gets the answer
             while new < max_new:
                 if cancel is not None and cancel.is_set():

@@ -20,13 +20,12 @@ def layer_inv_freqs(model, kinds) -> list[torch.Tensor | None]:
     """Each layer's RoPE `inv_freq` (None for a layer without RoPE): Gemma 3 keeps one per layer type
     (`sliding_attention_inv_freq`, `full_attention_inv_freq`), the others one for every layer."""
     types = getattr(model.config, "layer_types", None) or []
-    rotary = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)
-              or any(isinstance(getattr(m, f"{t}_inv_freq", None), torch.Tensor) for t in set(types))]
-    out = []
-    for i, kind in enumerate(kinds):
-        if not kind.rope:
-            out.append(None)
-            continue
-        per_type = getattr(rotary[0], f"{types[i]}_inv_freq", None) if rotary and i < len(types) else None
-        out.append(per_type if isinstance(per_type, torch.Tensor) else rope_inv_freq(model))
-    return out
+    per_type: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        for t in set(types):
+            buf = getattr(module, f"{t}_inv_freq", None)
+            if isinstance(buf, torch.Tensor):
+                per_type.setdefault(t, buf)
+    plain = rope_inv_freq(model)
+    return [per_type.get(types[i] if i < len(types) else "", plain) if kind.rope else None
+            for i, kind in enumerate(kinds)]

@@ -87,7 +87,7 @@ class Locret(Policy):
 
     def observe(self, cache, n_new, ids) -> None:
         if self.token_ids is not None:
-            self.token_ids.add(cache.governed_layers()[0][1].positions[0, -n_new:], ids)
+            self.token_ids.add(cache.layers[cache.governed[0]].positions[0, -n_new:], ids)
         if n_new == 1:  # a decoded token: the scorer queues it, `_flush` scores the queue in one batch
             if self.scorer.queued() >= FLUSH_EVERY:
                 self._flush(cache)
