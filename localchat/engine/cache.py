@@ -185,6 +185,16 @@ class KVLayer(DynamicLayer):
         self._p[:, :k] = torch.gather(self.positions, 1, idx)
         self.n = k
 
+    def to_slots(self, inv_freq: torch.Tensor | None) -> None:
+        """Move every key from its original position to its slot (a conversation going on at compact positions).
+        A bf16/fp16 key is rounded once here; its remainder starts at the next eviction."""
+        if inv_freq is None or self.n == 0:
+            return
+        keys = self._k[:, :, : self.n]
+        slots = torch.arange(self.n, device=keys.device)
+        keys.copy_(shift_keys(keys, slots[None, :] - self.positions, inv_freq))
+        self._r = None
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count of tokens to remove")
@@ -362,6 +372,25 @@ class KVCache(Cache):
             for i, layer in enumerate(self.layers):
                 if isinstance(layer, WindowLayer):
                     layer.shift(delta, self.inv_freqs[i])
+
+    @torch.inference_mode()
+    def to_compact(self, inv_freq, next_position: int) -> None:
+        """A conversation read so far at original positions goes on at compact ones (it grew past the model's
+        window): each governed key moves from its true position to its slot, and each window layer's keys move
+        as far as the next token's position does (`next_position`, its true one, becomes the units held)."""
+        if self.positions == "compact":
+            return
+        if self.extension is not None:
+            raise ValueError("a cache with units kept elsewhere cannot change its positions")
+        freqs = list(inv_freq) if isinstance(inv_freq, (list, tuple)) else [inv_freq] * len(self.layers)
+        delta = self.get_seq_length() - next_position
+        for i, layer in enumerate(self.layers):
+            if i in self.governed:
+                layer.to_slots(freqs[i])
+            elif isinstance(layer, WindowLayer):
+                layer.shift(delta, freqs[i])
+        self.positions, self.inv_freqs = "compact", freqs
+        self.inv_freq = next((freqs[i] for i in self.governed if freqs[i] is not None), None)
 
     def settle(self) -> None:
         """After a forward: the window layers drop what lies beyond their windows."""

@@ -193,19 +193,22 @@ class Engine:
             if not prompt_ids:
                 raise UserError("nothing to read: the prompt is empty")
             n_total = first_pos + len(prompt_ids)
-            fresh = cache is None or cache.empty_now()
-            past = fresh and self._past_window(n_total)  # a new conversation longer than the window
-            positions = "compact" if past else cache.positions if cache is not None else self.positions
+            positions = cache.positions if cache is not None else self.positions
+            past = self._past_window(n_total, positions)  # longer than the window: on at compact positions
+            if past:
+                positions = "compact"
             self._check_window(n_total, positions)
             if self.admit is not None:  # refuse, before reading, what memory cannot hold (planning/load.py)
                 self.admit(self, len(prompt_ids), settings.max_new_tokens, cache.get_seq_length() if cache is not None else 0)
             if cache is None:
                 cache = self.new_cache(len(prompt_ids), settings.max_new_tokens, positions=positions)
-            elif past and cache.positions != "compact":
+            elif past and cache.empty_now():
                 cache.start_at("compact", layer_inv_freqs(self.model, self.kinds))
+            elif past:  # what was kept at original positions moves to its slots
+                cache.to_compact(layer_inv_freqs(self.model, self.kinds), first_pos)
             if past:
                 yield Notice(f"the conversation is longer than {self.name}'s window of {self.window:,} tokens: read "
-                             f"at compact positions (each kept unit at its slot)")
+                             f"at compact positions from here on (each kept unit at its slot)")
             yield from self._generate(cache, prompt_ids, first_pos, settings, cancel, keep_last)
         except UserError as exc:
             yield Error(str(exc), exc)
@@ -224,10 +227,10 @@ class Engine:
         return KVCache(len(kinds), reserve=reserve, positions=positions, inv_freq=inv_freq, kinds=kinds,
                        tail=self.chunk)
 
-    def _past_window(self, n_total: int) -> bool:
+    def _past_window(self, n_total: int, positions: str) -> bool:
         """True when an evicting policy at original positions gets more than the window: compact positions let it
         read on (original ones hold inside the window, where a model like Gemma 3 270M reads better with them)."""
-        return bool(self.window) and n_total >= self.window and self.policy.bounded() and self.positions == "original"
+        return bool(self.window) and n_total >= self.window and self.policy.bounded() and positions == "original"
 
     def _chunk_halved(self, chunk: int) -> None:
         """Prefill ran out of memory and halved the chunk: later reads use the smaller one."""

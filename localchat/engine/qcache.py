@@ -30,6 +30,7 @@ from localchat.engine.cache import KVCache, KVLayer
 from localchat.engine.precision import KV_BITS, KV_CHOICES, kv_bits  # noqa: F401 - the --kv values
 from localchat.engine.rope import rope_table, rotate
 from localchat.kernels.quant import GROUP, SCALE_DTYPE, dequantize, group_size, pack, quantize, unpack  # noqa: F401
+from localchat.kernels.rope import shift_keys
 
 RESIDUAL = 128  # without an eviction, the tail is quantized once it holds this many units
 QUANT_KEYS = ("qk", "ks", "kz", "qv", "vs", "vz")  # tensors() names of the quantized part
@@ -179,6 +180,24 @@ class QuantizedKVLayer(KVLayer):
         self._s[:, :k] = torch.gather(self.scores, 1, idx)
         self._p[:, :k] = torch.gather(self.positions, 1, idx)
         self.n = self.nq = k
+
+    def to_slots(self, inv_freq: torch.Tensor | None) -> None:
+        """Compact positions from here on: the quantized keys are dequantized, turned back to RoPE position 0 and
+        quantized again (once, at this change), the tail's keys move to their slots."""
+        if inv_freq is None or self.n == 0:
+            self.inv_freq = inv_freq
+            return
+        if self.nq:
+            d = self.head_dim
+            keys = dequantize(*(self._q[name][:, :, : self.nq] for name in ("qk", "ks", "kz")), self.bits, group_size(d))
+            keys = shift_keys(keys.float(), -self.positions[:, : self.nq], inv_freq)
+            codes, scale, zero = quantize(keys, self.bits, group_size(d))
+            self._q["qk"][:, :, : self.nq], self._q["ks"][:, :, : self.nq], self._q["kz"][:, :, : self.nq] = codes, scale, zero
+        if self.nt:
+            tail = self._tk[:, :, : self.nt]
+            slots = torch.arange(self.nq, self.n, device=tail.device)
+            tail.copy_(shift_keys(tail, slots[None, :] - self.positions[:, self.nq :], inv_freq))
+        self.inv_freq = inv_freq
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:

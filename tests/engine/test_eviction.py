@@ -8,7 +8,7 @@ from tiny import tiny_llama
 
 from localchat.engine.cache import KVCache
 from localchat.engine.engine import Engine
-from localchat.engine.events import Done, Notice
+from localchat.engine.events import Done, Notice, Token
 from localchat.engine.heads import RetainingHeads
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.policies.base import PROTECT
@@ -147,10 +147,21 @@ def test_compact_positions_stay_bounded_past_the_window(tiny_tok):
     events = list(engine.chat([{"role": "user", "content": "lorem ipsum " * 300}], GenerationSettings(max_new_tokens=8)))
     assert isinstance(events[-1], Done) and events[-1].kv_tokens <= 128 + 16 + 8  # a new conversation past the window
     assert any(isinstance(e, Notice) and "read at compact positions" in e.message for e in events)
-    cache = engine.new_cache()  # a conversation at original positions that grows past the window
-    list(engine.continue_on(cache, engine.encode("lorem ipsum " * 30), 0, GenerationSettings(max_new_tokens=2)))
-    refused = list(engine.continue_on(cache, engine.encode("lorem ipsum " * 300), 200))[-1].message
-    assert "reads at most 512" in refused and refused.endswith("use --positions compact, or shorten the document")
+    # A conversation at original positions that grows past the window goes on at compact ones; below the budget
+    # nothing was evicted, so it answers as the conversation read at compact positions from the start.
+    answers, said = {}, {}
+    for positions in ("original", "compact"):
+        engine.set_policy(make_policy("streaming", budget=128, local=16), positions)
+        cache = engine.new_cache()
+        for first, text in ((0, "lorem ipsum " * 30), (200, "dolor sit amet " * 150), (1200, "lorem ipsum " * 20)):
+            events = list(engine.continue_on(cache, engine.encode(text), first, GenerationSettings(max_new_tokens=4)))
+            assert isinstance(events[-1], Done) and events[-1].kv_tokens <= 128 + 16 + 8
+            said.setdefault(positions, []).append([e.message for e in events if isinstance(e, Notice)])
+            answers.setdefault(positions, []).append([e.token_id for e in events if isinstance(e, Token)])
+        assert cache.positions == "compact"
+    assert said["compact"] == [[], [], []]
+    assert [len(m) for m in said["original"]] == [0, 1, 0] and "from here on" in said["original"][1][0]
+    assert answers["original"] == answers["compact"]
     engine.set_policy(make_policy("full"))
     refused = list(engine.chat([{"role": "user", "content": "lorem ipsum " * 300}]))[-1].message
     assert "an evicting policy at compact positions" in refused

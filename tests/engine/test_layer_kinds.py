@@ -18,6 +18,7 @@ from localchat.engine.engine import Engine
 from localchat.engine.layer_kinds import GLOBAL, STATE, WINDOW, LayerKind, layer_kinds, summary
 from localchat.engine.policies import make_policy
 from localchat.engine.prefill import forward, prefill
+from localchat.engine.rope import layer_inv_freqs
 from localchat.kernels.rope import rope_table, rotate, shift_keys
 
 CHUNK = 48
@@ -222,3 +223,33 @@ def test_a_quantized_layer_moves_partial_rope_keys_to_their_slots():
     torch.testing.assert_close(plain.keys, want, atol=1e-5, rtol=1e-5)
     got, _ = packed.whole(torch.float32)
     assert (got - want).abs().max() < 0.05 and (got - want)[..., :4].abs().max() < 0.05
+
+
+@pytest.mark.parametrize("kv", ["none", "int8"])
+@torch.inference_mode()
+def test_a_conversation_at_original_positions_moves_to_compact_ones(model, tok, kv):
+    """A chat read at original positions that grows past the window goes on at compact ones (KVCache.to_compact):
+    each governed key moves from its true position to its slot (its pre-RoPE key is unchanged), each window
+    layer's keys move as far as the next token's position does (their distances stay exact), states stay."""
+    engine = Engine(model, tok, chunk=CHUNK, kv=kv)
+    engine.set_policy(make_policy("streaming", budget=64, local=16), positions="original")
+    cache = engine.new_cache(400, 4)
+    _read(model, cache, _ids(400, len(tok)), engine.policy)
+    before = cache.clone()
+    freqs = layer_inv_freqs(model, engine.kinds)
+    cache.to_compact(freqs, 400)
+    n = cache.get_seq_length()
+    assert cache.positions == "compact" and n < 400 and cache.next_position(400) == n
+    for i, (old, new) in enumerate(zip(before.layers, cache.layers)):
+        if i in cache.governed:
+            assert torch.equal(old.positions, new.positions)
+            was = old.whole(torch.float32)[0] if kv == "int8" else old.keys
+            now = new.whole(torch.float32)[0] if kv == "int8" else new.keys
+            want = was if freqs[i] is None else shift_keys(was, torch.arange(n)[None, :] - old.positions, freqs[i])
+            tol = 0.02 * was.abs().max() if kv == "int8" else 1e-4
+            assert (now - want).abs().max() <= tol
+        elif isinstance(old, WindowLayer):
+            want = old.keys if freqs[i] is None else shift_keys(old.keys, torch.full(old.positions.shape, n - 400), freqs[i])
+            torch.testing.assert_close(new.keys, want, atol=1e-4, rtol=1e-4)
+    states = {k: v for k, v in before.tensors().items() if k[:4] in ("conv", "rec.")}
+    assert all(torch.equal(v, cache.tensors()[k]) for k, v in states.items())
