@@ -258,7 +258,7 @@ class GraphStep:
             score = None  # the new unit's score, from its pre-RoPE q/k/v (LOCRET's retaining heads)
             if self.heads is not None:
                 qkv = joined[0] if joined is not None else torch.cat((q[0], k[0], v[0]), dim=-1)
-                score = fused.heads_score(self.heads.layers[i], qkv, kernel=self.fused)  # rope_write adds it up
+                score = fused.heads_score(self.heads.head(i), qkv, kernel=self.fused)  # rope_write adds it up
             q, k, v = (t.view(1, 1, -1, d).transpose(1, 2) for t in (q, k, v))  # [1, H, 1, d]
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)

@@ -39,6 +39,11 @@ def head_shape(model) -> dict:
     }
     if getattr(cfg, "model_type", "") in GATED_Q:
         shape["q_gate"] = True  # the q projection also gives the output gate: 2 x H_q x d wide
+    from localchat.engine.layer_kinds import layer_kinds
+
+    grows = [i for i, kind in enumerate(layer_kinds(cfg)) if kind.grows]
+    if len(grows) < shape["layers"]:  # a hybrid: heads only for the layers whose cache grows (the evicted ones)
+        shape["scored"] = grows
     return shape
 
 
@@ -72,9 +77,14 @@ class RetainingHeads(nn.Module):
         self.d_r = d_r
         self.meta = dict(meta or {})
         in_dim = qkv_width(shape)
-        self.layers = nn.ModuleList(
-            RetainingHead(in_dim, d_r, shape["kv_heads"], shape["act"]) for _ in range(shape["layers"])
-        )
+        self.scored = list(shape.get("scored", range(shape["layers"])))  # the layers with a head
+        # keyed by layer index: a model's every layer gives `layers.0.fc1.weight`, ... as a list of heads would
+        self.layers = nn.ModuleDict(
+            {str(i): RetainingHead(in_dim, d_r, shape["kv_heads"], shape["act"]) for i in self.scored})
+
+    def head(self, i: int) -> RetainingHead | None:
+        """Layer i's head (None: a layer the heads do not score, one that does not grow with the document)."""
+        return self.layers[str(i)] if str(i) in self.layers else None
 
     @classmethod
     def random(cls, model, d_r: int = 1024, seed: int = 0) -> RetainingHeads:
@@ -250,13 +260,16 @@ class HeadScorer:
         self.heads = heads.to(device=p.device, dtype=p.dtype if p.dtype != torch.float16 else torch.float32)
         self.heads.eval().requires_grad_(False)
         self.dtype = next(self.heads.parameters()).dtype
-        self.new: list[torch.Tensor | None] = [None] * len(heads.layers)
-        self.queue: list[list[torch.Tensor]] = [[] for _ in heads.layers]
+        layers = heads.shape["layers"]
+        self.new: list[torch.Tensor | None] = [None] * layers
+        self.queue: list[list[torch.Tensor]] = [[] for _ in range(layers)]
         self.handles = hook_qkv(model, self.take_qkv)
 
     def take_qkv(self, i: int, qkv: torch.Tensor) -> None:
         """Layer i's pre-RoPE q/k/v `[T, (H_q + 2 H_kv) d]` (what the hooks give); a chunk's scoring is a profiler
-        range named `HEADS_RANGE`."""
+        range named `HEADS_RANGE`. A layer without a head is not scored."""
+        if self.heads.head(i) is None:
+            return
         if qkv.shape[0] == 1:
             self.queue[i].append(qkv)
         else:
@@ -264,7 +277,7 @@ class HeadScorer:
                 self.new[i] = self._run(i, qkv)
 
     def _run(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
-        return self.heads.layers[i](qkv.to(self.dtype)).T.float()  # [H_kv, T]
+        return self.heads.head(i)(qkv.to(self.dtype)).T.float()  # [H_kv, T]
 
     def take(self, i: int) -> torch.Tensor:
         scores, self.new[i] = self.new[i], None
@@ -272,7 +285,7 @@ class HeadScorer:
 
     def queued(self) -> int:
         """Single tokens waiting to be scored (the same count in every layer)."""
-        return len(self.queue[-1])
+        return len(self.queue[self.heads.scored[-1]])
 
     def flush(self) -> list[torch.Tensor]:
         """Scores `[H_kv, P]` per layer of the P queued tokens, oldest first; empties the queue."""

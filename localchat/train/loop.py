@@ -49,8 +49,8 @@ def loss_fn(pred: torch.Tensor, label: torch.Tensor, adjacent: torch.Tensor) -> 
 
 
 def predict(heads: RetainingHeads, features: torch.Tensor) -> torch.Tensor:
-    """`features` `[L, m, F]` -> scores `[L, H_kv, m]`."""
-    return torch.stack([head(features[i].float()).T for i, head in enumerate(heads.layers)])
+    """`features` `[L, m, F]` (every layer) -> scores `[S, H_kv, m]` of the S layers the heads score."""
+    return torch.stack([heads.head(i)(features[i].float()).T for i in heads.scored])
 
 
 def overlap(pred: torch.Tensor, label: torch.Tensor, frac: float = 0.1) -> float:
@@ -67,10 +67,10 @@ def evaluate(heads: RetainingHeads, files: list[Path], label: str) -> dict:
     with torch.no_grad():
         for f in files:
             d = load(f)
-            pred = predict(heads, d["features"])
-            reg, smooth = loss_fn(pred, d[label], d["adjacent"])
+            pred, want = predict(heads, d["features"]), d[label][heads.scored]
+            reg, smooth = loss_fn(pred, want, d["adjacent"])
             losses.append(float(reg + SMOOTH * smooth))
-            overlaps.append(overlap(pred, d[label]))
+            overlaps.append(overlap(pred, want))
     return {"loss": sum(losses) / len(losses), "top10_overlap": sum(overlaps) / len(overlaps)}
 
 
@@ -111,7 +111,7 @@ def train(shape: dict, train_files: list[Path], eval_files: list[Path], out: Pat
         for group in opt.param_groups:
             group["lr"] = _lr(step, recipe)
         pred = predict(heads, d["features"])
-        reg, smooth = loss_fn(pred, d[recipe.label], d["adjacent"])
+        reg, smooth = loss_fn(pred, d[recipe.label][heads.scored], d["adjacent"])
         loss = reg + SMOOTH * smooth
         opt.zero_grad()
         loss.backward()

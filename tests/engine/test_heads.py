@@ -32,7 +32,7 @@ def test_scores_are_the_head_of_pre_rope_qkv():
     assert not model.model.layers[0].self_attn.q_proj._forward_hooks
     h = captured["h"][0]
     x = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
-    ref = heads.layers[1].fc2(torch.nn.functional.silu(heads.layers[1].fc1(x))).T
+    ref = heads.head(1).fc2(torch.nn.functional.silu(heads.head(1).fc1(x))).T
     assert got.shape == (2, 17) and torch.allclose(got, ref, atol=1e-6)
 
 
@@ -80,7 +80,7 @@ def test_decoded_tokens_are_scored_in_one_batch_with_the_same_scores():
     for i, a in enumerate(attns):
         h = torch.cat([s[i] for s in steps[1:]])
         qkv = torch.cat([torch.nn.functional.linear(h, p.weight) for p in (a.q_proj, a.k_proj, a.v_proj)], dim=-1)
-        assert torch.allclose(cache.layers[i].scores[:, -5:], heads.layers[i](qkv).T, atol=1e-5)
+        assert torch.allclose(cache.layers[i].scores[:, -5:], heads.head(i)(qkv).T, atol=1e-5)
     with torch.inference_mode():
         forward(model, cache, ids[:, :1], 65)
         policy.observe(cache, 1, ids[:, :1])

@@ -101,7 +101,7 @@ def test_import_official_checkpoint_naming(tmp_path):
     x = torch.randn(5, in_dim)
     fc1, fc2 = (weights[f"model.layers.1.self_attn.fc{j}.weight"].float() for j in (1, 2))
     official = fc2 @ torch.nn.functional.silu(fc1 @ x.T)
-    assert torch.allclose(heads.layers[1](x).T, official, atol=1e-5)  # bf16 kept: the release's values exactly
+    assert torch.allclose(heads.head(1)(x).T, official, atol=1e-5)  # bf16 kept: the release's values exactly
     HeadScorer(model, heads).close()  # fits the model
     torch.save({k: v for k, v in weights.items()}, tmp_path / "heads.bin")  # a release's .bin
     assert RetainingHeads.load(import_official(tmp_path / "heads.bin", cfg, tmp_path / "from-bin")).d_r == 32

@@ -120,3 +120,34 @@ def test_collect_leftovers_removes_only_old_partial_files(tmp_path):
     assert dataset.collect_leftovers(tmp_path) == 3
     assert {p for p in planted if p.exists()} == {p for p, is_old in planted.items() if not is_old}
     assert (scratch / "kept-dir").is_dir() and (scratch / "link").is_symlink() and target.exists()
+
+
+def test_a_hybrid_models_heads_are_trained_for_its_global_layers_only(tmp_path, tiny_tok):
+    """Gemma 3's sliding layers keep their window whatever the policy: heads are trained, saved and used for the
+    layers whose cache grows (head_shape's `scored`), from labels of a real read, and LOCRET reads with them."""
+    from safetensors.torch import load_file
+    from tiny import tiny_architecture
+
+    from localchat.engine.events import Done
+    from localchat.engine.heads import RetainingHeads, head_shape
+    from localchat.engine.policies import make_policy
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.train.loop import Recipe, train
+
+    model = tiny_architecture("gemma3_text", len(tiny_tok))
+    engine = Engine(model, tiny_tok, name="tiny", chunk=64)
+    shape = head_shape(model)
+    grows = [i for i, kind in enumerate(engine.kinds) if kind.grows]
+    assert shape["scored"] == grows and 0 < len(grows) < shape["layers"]
+    samples = [make_sample("code", tiny_tok, 300, seed) for seed in range(3)]
+    files = dataset.build(engine, samples, tmp_path / "data", keep=128, window=32, say=lambda m: None)
+    recipe = Recipe(d_r=16, steps=20, warmup=2, eval_every=10, checkpoint_every=10)
+    log = train(shape, files[:2], files[2:], tmp_path / "heads", recipe, {"model": "tiny"}, say=lambda m: None)
+    assert log["eval"] and all(torch.isfinite(torch.tensor(e["loss"])) for e in log["eval"])
+    saved = load_file(tmp_path / "heads" / "heads.safetensors")
+    assert {int(name.split(".")[1]) for name in saved} == set(grows)
+    heads = RetainingHeads.load(tmp_path / "heads")
+    assert [i for i in range(shape["layers"]) if heads.head(i) is not None] == grows
+    engine.set_policy(make_policy("locret", heads=heads, budget=64, stabilizers=8, local=16))
+    done = list(engine.chat([{"role": "user", "content": "lorem ipsum " * 200}], GenerationSettings(max_new_tokens=4)))[-1]
+    assert isinstance(done, Done) and done.prompt_tokens > 300 and done.kv_tokens <= 64 + 16 + 64

@@ -145,7 +145,7 @@ class Policy:
 
     def unit_heads(self):
         """The modules that score a decoded unit from its pre-RoPE q/k/v inside a captured decode step
-        (engine/graph_step.py; LOCRET's retaining heads, `heads.layers[i]`), or None: units decoded get no score."""
+        (engine/graph_step.py; LOCRET's retaining heads, `heads.head(i)`), or None: units decoded get no score."""
         return None
 
     def detach(self) -> None:
