@@ -30,6 +30,7 @@ from localchat.server.worker import END, Busy, Job, Worker
 
 RETRY_AFTER = 5  # seconds a client told the queue is full waits before trying again
 HEADER = "X-Localchat-Conversation"  # the name of the conversation that answered
+CACHED = "X-Localchat-Cached-Tokens"  # prompt tokens taken from the conversation's cache, not read again
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Answer:
     def __init__(self, job: Job, request: Request):
         self.job = job
         self.name: str | None = None
+        self.cached: int | None = None
         self.watch = asyncio.ensure_future(_disconnect(request))
 
     async def next(self):
@@ -68,7 +70,7 @@ class Answer:
                 raise Gone
             item = get.result()
             if isinstance(item, Named):
-                self.name = item.name
+                self.name, self.cached = item.name, item.cached
                 continue
             if isinstance(item, BadRequest):
                 raise item
@@ -148,8 +150,10 @@ async def _start(request: Request, parse) -> tuple[State, Turn, Answer, object]:
     return state, turn, answer, first
 
 
-def _headers(answer: Answer) -> dict:
-    return {HEADER: answer.name} if answer.name else {}
+def _headers(answer: Answer, result: Answered | None = None) -> dict:
+    """The conversation's name and the prompt tokens from its cache (the answer's own count once it is done)."""
+    cached = result.cached if result is not None else answer.cached
+    return {**({HEADER: answer.name} if answer.name else {}), **({CACHED: str(cached)} if cached is not None else {})}
 
 
 async def _collect(answer: Answer, first) -> tuple[str, Answered | None]:
@@ -175,7 +179,7 @@ async def chat_completions(request: Request) -> Response:
         if result is None:
             return Response(status_code=499)
         return JSONResponse(openai.completion(openai.new_id(), state.model, result.done, _usage(result)),
-                            headers=_headers(answer))
+                            headers=_headers(answer, result))
     return StreamingResponse(_sse(state, turn, answer, first), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", **_headers(answer)})
 
@@ -218,7 +222,7 @@ async def _ollama(request: Request, parse, generate: bool) -> Response:
         text, result = await _collect(answer, first)
         if result is None:
             return Response(status_code=499)
-        return JSONResponse(ollama.final(state.model, result.done, text, started, generate), headers=_headers(answer))
+        return JSONResponse(ollama.final(state.model, result.done, text, started, generate), headers=_headers(answer, result))
     return StreamingResponse(_ndjson(state, answer, first, started, generate), media_type="application/x-ndjson",
                              headers=_headers(answer))
 
