@@ -116,6 +116,8 @@ def add_parser(subparsers) -> None:
     srv.add_argument("--length", default="7600", help="document tokens (default 7600)")
     srv.add_argument("--answer-tokens", type=int, default=16, help="answer length limit (default 16)")
     srv.add_argument("--peer", default=None, help="also llama.cpp's server on the same GGUF (llama-cpp-python[server])")
+    srv.add_argument("--layout", default="app", help="where the client puts the document, comma-separated: app, "
+                                                     "open-webui, open-webui-system, in-place (default app)")
     srv.add_argument("--serve-flags", default="", metavar="FLAGS",
                      help="more `localchat serve` flags, in one quoted string (e.g. \"--weights int8\")")
     _engine_flags(srv)
@@ -332,14 +334,18 @@ def _run_decode(args) -> int:
 
 
 def _run_serve(args) -> int:
-    from localchat.bench.serve import ServeConfig
+    from localchat.bench.serve import LAYOUTS, ServeConfig
     from localchat.bench.serve import run as run_serve
 
     out = _out(args, "bench serve", "serve.json and serve.md")
     f = flags(args)
     if args.answer_tokens < 1:
         raise UserError(f"--answer-tokens must be at least 1 (got {args.answer_tokens})")
-    config = ServeConfig(out=out, model=f["model"], length=parse_length(args.length), answer_tokens=args.answer_tokens,
+    layouts = tuple(x.strip() for x in args.layout.split(",") if x.strip())
+    wrong = [x for x in layouts if x not in LAYOUTS]
+    if wrong or not layouts:
+        raise UserError(f"--layout takes {', '.join(LAYOUTS)} (got {args.layout!r})")
+    config = ServeConfig(layouts=layouts, out=out, model=f["model"], length=parse_length(args.length), answer_tokens=args.answer_tokens,
                          seed=f["seed"] or 0, peer=args.peer, extra=tuple(shlex.split(args.serve_flags)),
                          command=_typed("serve"))
     print(run_serve(config, say=_say).read_text(encoding="utf-8"))

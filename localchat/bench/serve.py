@@ -39,6 +39,7 @@ class ServeConfig:
     seed: int = 0
     peer: str | None = None
     extra: tuple[str, ...] = ()  # further `localchat serve` flags (policy, budget, weights ...)
+    layouts: tuple[str, ...] = ("app",)  # where the client puts the document (LAYOUTS)
     command: str = ""
 
 
@@ -116,10 +117,36 @@ def ask(url: str, messages: list[dict], max_tokens: int) -> dict:
             "total_s": round(time.perf_counter() - t0, 3), "answer": "".join(pieces), "usage": usage}
 
 
-def conversation(start, document: str, key: str, answer_tokens: int, say) -> dict:
+LAYOUTS = {  # where a client puts the document: the messages of the request for turns [(question, answer | None)]
+    "app": "the document in the first question, as the chat window lays it out; follow-ups after it",
+    "open-webui": "Open WebUI's whole-document mode: its RAG template with the document in front of the last "
+                  "question every turn, bare questions in the history",
+    "open-webui-system": "Open WebUI with RAG_SYSTEM_CONTEXT=true: the filled template is the system message",
+    "in-place": "Open WebUI's first request, then the document stays where it was read (a plain extension)",
+}
+FILE_ID = "5f0c8a2e-0d1b-4f8e-9a51-3c2b7e6d4f10"  # an Open WebUI file id (any uuid)
+
+
+def layout_messages(layout: str, document: str, turns: list[tuple[str, str | None]]) -> list[dict]:
+    """The request's messages for the last of `turns` (its answer None) in `layout`."""
+    from localchat.bench import webui
+    from localchat.bench.tasks import as_document
+    from localchat.render import user_turn
+
+    files = [("report.txt", FILE_ID, document)]
+    if layout in ("open-webui", "open-webui-system"):
+        return webui.request(turns, files, system_context=layout == "open-webui-system")
+    first = user_turn(turns[0][0], [as_document(document)]) if layout == "app" else \
+        webui.request([(turns[0][0], None)], files)[-1]["content"]
+    messages = [{"role": "user", "content": first}]
+    for (_, answer), (question, _) in zip(turns, turns[1:]):
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+    return messages
+
+
+def conversation(start, document: str, key: str, answer_tokens: int, say, layout: str = "app") -> dict:
     """First question, follow-up, restart, follow-up; `start()` starts the server anew."""
-    messages = [{"role": "user", "content": document}]
-    rows, peaks = [], []
+    rows, peaks, turns = [], [], []
     server = start()
     try:
         for i, question in enumerate(QUESTIONS):
@@ -127,13 +154,12 @@ def conversation(start, document: str, key: str, answer_tokens: int, say) -> dic
                 peaks.append(server.peak_mib())
                 server.stop()
                 server = start()
-            if i:
-                messages.append({"role": "user", "content": question})
-            row = ask(server.url, messages, answer_tokens)
+            turns.append((question, None))
+            row = ask(server.url, layout_messages(layout, document, turns), answer_tokens)
             row["has_key"] = key in row["answer"]
             say(f"  {TURNS[i]}: first token after {row['ttft_s']:.2f} s")
             rows.append(row)
-            messages.append({"role": "assistant", "content": row["answer"]})
+            turns[-1] = (question, row["answer"])
         peaks.append(server.peak_mib())
     finally:
         server.stop()
@@ -161,10 +187,13 @@ def run(config: ServeConfig, say=lambda s: None) -> Path:
     doc_tokens = len(tokenizer(document, add_special_tokens=False)["input_ids"])
     config.out.mkdir(parents=True, exist_ok=True)
     results = {}
-    say(f"localchat serve, a {doc_tokens:,}-token question")
-    with tempfile.TemporaryDirectory(prefix="localchat-serve-") as data:  # the server's store: scratch, not a result
-        results["localchat"] = conversation(lambda: _localchat(config, Path(data)), document, sample.answer,
-                                            config.answer_tokens, say)
+    for layout in config.layouts:
+        name = "localchat" if layout == "app" else f"localchat, {layout}"
+        say(f"localchat serve, a {doc_tokens:,}-token question, {layout} layout")
+        with tempfile.TemporaryDirectory(prefix="localchat-serve-") as data:  # the server's store: scratch
+            results[name] = conversation(lambda d=data: _localchat(config, Path(d)), sample.document, sample.answer,
+                                         config.answer_tokens, say, layout)
+        results[name]["layout"] = layout
     if config.peer is not None:
         if not peers.available():
             results[config.peer] = {"missing": f"not installed; to measure it: {peers.INSTALL}"}
@@ -172,7 +201,7 @@ def run(config: ServeConfig, say=lambda s: None) -> Path:
             gguf = gguf or peers.default_gguf()
             say(f"{config.peer} server on {gguf.name}")
             n_ctx = doc_tokens + 4 * config.answer_tokens + 256
-            results[config.peer] = conversation(lambda: _llama_cpp(gguf, n_ctx), document, sample.answer,
+            results[config.peer] = conversation(lambda: _llama_cpp(gguf, n_ctx), sample.document, sample.answer,
                                                 config.answer_tokens, say)
     report = {"command": config.command, "document_tokens": doc_tokens, "answer_tokens": config.answer_tokens,
               "questions": list(QUESTIONS), "pass_key": sample.answer, "results": results,
@@ -201,6 +230,14 @@ def markdown(r: dict) -> str:
         lines.append(f"| {name} | {' | '.join(cells)} | {peak} | {sum(x['has_key'] for x in t)} of {len(t)} |")
     lines += ["", "Time to first token at the client, streamed; the follow-ups continue the same conversation "
               "(the answers sent back as text). Peak RSS of the server process over its two runs (the larger)."]
+    used = [res["layout"] for res in r["results"].values() if "layout" in res]
+    lines += [""] + [f"- {layout}: {LAYOUTS[layout]}" for layout in used]
+    answers = {res["layout"]: [t["answer"] for t in res["turns"]] for res in r["results"].values() if "layout" in res}
+    if "in-place" in answers:
+        for layout in ("open-webui", "open-webui-system"):
+            if layout in answers:
+                same = sum(a == b for a, b in zip(answers[layout], answers["in-place"]))
+                lines.append(f"- {layout}: {same} of {len(answers[layout])} answers the same as in-place's")
     for name, res in r["results"].items():
         for i, x in enumerate(res.get("turns", [])):
             if x.get("usage") and x["usage"].get("prompt_tokens_details"):

@@ -1,11 +1,11 @@
 """Open WebUI's whole-document chats against `localchat serve` (the `openai` client over real HTTP): the document
-is read once per conversation in both of its layouts, after a restart too (tests/server/webui_requests.py)."""
+is read once per conversation in both of its layouts, after a restart too (their shapes: localchat/bench/webui.py)."""
 
 from __future__ import annotations
 
 import openai
-from webui_requests import request
 
+from localchat.bench.webui import request
 from localchat.server.app import CACHED, HEADER
 
 REPORT = " ".join(f"Line {i}: the harbour log notes tide {i % 7} and crew {i % 5}." for i in range(60)) + \

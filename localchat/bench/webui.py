@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TEMPLATE = (Path(__file__).parent.parent / "data" / "open_webui" / "DEFAULT_RAG_TEMPLATE.txt").read_text()
+# Open WebUI's DEFAULT_RAG_TEMPLATE, verbatim (open-webui 0.12.4, open_webui/config.py): the text it sends
+TEMPLATE = (Path(__file__).parent / "open_webui_rag_template.txt").read_text(encoding="utf-8")
 
 
 def context(files: list[tuple[str, str, str]]) -> str:
@@ -29,7 +30,8 @@ def filled(files: list[tuple[str, str, str]]) -> str:
 
 def request(turns: list[tuple[str, str | None]], files, system_context: bool = False,
             system: str | None = None) -> list[dict]:
-    """The messages of the request for the last of `turns` ((question, answer or None for the one asked now))."""
+    """The messages of the request for the last of `turns` ((question, answer or None for the one asked now));
+    `files`: (name, file id, text)."""
     messages = [{"role": "system", "content": system}] if system else []
     for question, answer in turns:
         messages.append({"role": "user", "content": question})
