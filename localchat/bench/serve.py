@@ -233,11 +233,9 @@ def markdown(r: dict) -> str:
     used = [res["layout"] for res in r["results"].values() if "layout" in res]
     lines += [""] + [f"- {layout}: {LAYOUTS[layout]}" for layout in used]
     answers = {res["layout"]: [t["answer"] for t in res["turns"]] for res in r["results"].values() if "layout" in res}
-    if "in-place" in answers:
-        for layout in ("open-webui", "open-webui-system"):
-            if layout in answers:
-                same = sum(a == b for a, b in zip(answers[layout], answers["in-place"]))
-                lines.append(f"- {layout}: {same} of {len(answers[layout])} answers the same as in-place's")
+    if "in-place" in answers and "open-webui" in answers:  # the system layout is its own in-place conversation
+        same = sum(a == b for a, b in zip(answers["open-webui"], answers["in-place"]))
+        lines.append(f"- open-webui: {same} of {len(answers['open-webui'])} answers the same as in-place's")
     for name, res in r["results"].items():
         for i, x in enumerate(res.get("turns", [])):
             if x.get("usage") and x["usage"].get("prompt_tokens_details"):
