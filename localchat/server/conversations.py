@@ -229,8 +229,9 @@ class Conversations:
         from localchat import turn as turns
 
         moved, question = self.moved(turn), turn.question
-        if moved is not None:  # the document is not read again: the question alone goes on
-            session, question = self._session(moved.name), moved.question
+        session = self._session(moved.name) if moved is not None else None  # None: deleted meanwhile
+        if session is not None:  # the document is not read again: the question alone goes on
+            question = moved.question
             again = session if moved.again else None
             if moved.extra:
                 session.extend(moved.extra)
