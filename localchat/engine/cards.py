@@ -54,7 +54,7 @@ class ModelCard:
     heads: dict[str, Any] = field(default_factory=dict)  # where trained retaining heads come from: shipped, or a release
     precision: dict[str, Any] = field(default_factory=dict)  # [precision]: weights measured to answer as fp32 does
     prompt: dict[str, Any] = field(default_factory=dict)  # [prompt]: a plain layout, for a model without a chat template
-    policy: dict[str, Any] = field(default_factory=dict)  # [policy]: the measured default where no heads exist
+    policy: dict[str, Any] = field(default_factory=dict)  # [policy]: the measured default (before shipped heads)
 
     @property
     def parts(self) -> tuple[WheelFile, ...]:

@@ -184,11 +184,9 @@ class Plan:
 
     def max_document(self) -> int | None:
         """Tokens a document may have: None = any length (compact positions keep memory and positions flat)."""
-        if self.request.compact:
-            return None
         if self.request.holds_prompt:  # the whole prompt is in memory: the memory bounds it as well as the window
             return max(0, self.full_attention_tokens() - self.request.max_new)
-        return max(0, (self.shape.window or 0) - self.request.max_new)
+        return None  # evicting: at original positions to the window, then at compact ones (Engine._past_window)
 
     def lines(self) -> list[str]:
         r, e = self.request, self.estimate
@@ -216,7 +214,9 @@ class Plan:
         if doc is None:
             where = " in each global layer" if self.shape.kinds else ""
             out.append(f"documents    any length: the cache stays at {self.budget + self.chunk + r.local + r.max_new:,}"
-                       f" units{where}, so a {LONG_DOC // 1024}K-token document fits")
+                       f" units{where}, so a {LONG_DOC // 1024}K-token document fits"
+                       + ("" if r.compact else f" (original positions to the model's window of {self.shape.window:,}, "
+                                               f"compact ones past it)"))
         elif r.holds_prompt and self.offloaded():
             host = f"{r.host_memory / GIB:.1f} GiB free on this machine" if r.host_memory is not None else "its size unknown"
             out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt: "
@@ -226,8 +226,6 @@ class Plan:
             grows = (f"; only its {self.shape.global_layers} global layers grow with it" if self.shape.kinds else "")
             out.append(f"documents    up to {doc:,} tokens ({r.holds_prompt} keeps the whole prompt in memory: "
                        f"the window and the memory bound it, not the budget{grows})")
-        else:
-            out.append(f"documents    up to {doc:,} tokens (original positions: the model's window)")
         if self.offloaded():
             out.append(f"full cache   without --offload the GPU holds {self.full_attention_tokens(offload=False):,} tokens")
         else:

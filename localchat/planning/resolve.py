@@ -179,10 +179,10 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, S
     sources: dict[str, Source] = {}
     options = option_keys()
     heads = given.get("heads")
-    chosen = (card.policy if card else {}) or {}  # the card's measured default where no heads exist
+    chosen = (card.policy if card else {}) or {}  # the card's measured default (before any heads it ships)
     if name is None:
         release = card is not None and bool(card.heads_release)  # official heads, fetched at first load
-        if heads or shipped_heads_dir(card) or release or not chosen.get("name"):
+        if heads or not chosen.get("name"):
             name = DEFAULT_POLICY if heads or shipped_heads_dir(card) or release else PLAIN_POLICY
             sources["policy"] = Source.default("heads ship for the model" if shipped_heads_dir(card) or heads else
                                                "official heads for the model, fetched at first load" if release
@@ -226,6 +226,8 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, S
         positions, sources["positions"] = given["positions"], given_from.get("positions", FLAG)
     elif chosen.get("positions"):
         positions, sources["positions"] = str(chosen["positions"]), Source(Kind.CARD)
+    elif name == DEFAULT_POLICY and locret.get("positions"):  # what the card's LOCRET rows were measured at
+        positions, sources["positions"] = str(locret["positions"]), Source(Kind.CARD)
     else:
         positions, sources["positions"] = cls.positions_default(), Source(Kind.POLICY_DEFAULT)
     settings = {k: v for k, v in values.items() if k != "heads"}

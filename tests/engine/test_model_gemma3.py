@@ -87,6 +87,33 @@ def test_a_bounded_policy_finds_the_key_with_an_eighth_of_the_global_cache(gemma
     assert score_passkey(sample, done.text.split(CARD.stop[0])[0]), (sample.answer, done.text)
 
 
+def test_the_shipped_heads_score_the_global_layers_and_find_the_key(gemma3):
+    """LOCRET with the heads trained for the model's three global layers (models/gemma3-270m/), the card's budget
+    and positions, on the same 3K document: heads exist only for layers 5, 11 and 17, and the key is found."""
+    from localchat.engine.engine import Engine
+    from localchat.engine.heads import RetainingHeads
+    from localchat.engine.policies import make_policy
+    from localchat.engine.sampling import GenerationSettings
+    from localchat.planning.resolve import shipped_heads_dir
+
+    heads = RetainingHeads.load(shipped_heads_dir(CARD))
+    assert heads.scored == [5, 11, 17] == [i for i, k in enumerate(_kinds(gemma3.model)) if k.grows]
+    tok, model = gemma3.tokenizer, gemma3.model
+    engine = Engine(model, tok, name="gemma3-270m", card=CARD, chunk=512)
+    engine.set_policy(make_policy("locret", heads=heads, budget=512), positions="original")
+    sample = passkey(tok, 3000, seed=5)
+    ids = engine.encode_chat(prompt_messages(sample))
+    done = list(engine.generate(ids, GenerationSettings(max_new_tokens=8, temperature=0.0)))[-1]
+    assert done.kv_tokens <= 512 + 96 + 8 < len(ids) / 4
+    assert score_passkey(sample, done.text.split(CARD.stop[0])[0]), (sample.answer, done.text)
+
+
+def _kinds(model):
+    from localchat.engine.layer_kinds import layer_kinds
+
+    return layer_kinds(model.config)
+
+
 @pytest.mark.slow  # two processes load the 1 GB model: minutes on two cores (the tiny hybrids test the same each run)
 def test_ask_reads_a_document_once_across_two_processes(tmp_path, gemma3):
     """`localchat --model gemma3-270m ask --session` as a user runs it: the card's policy reads the document and finds

@@ -281,9 +281,9 @@ def test_bad_config_files_and_dirs_are_one_line_errors(config, capsys, tmp_path,
     assert "session name is empty" in capsys.readouterr().err
 
 
-def test_a_cards_measured_policy_is_the_default_where_no_heads_exist(config):
-    """Gemma 3 270M has no heads; its card names SirLLM at b=512 and original positions (measured). A flag wins, and
-    the card's budget and positions follow only its own policy."""
+def test_a_cards_measured_policy_is_the_default_before_its_shipped_heads(config):
+    """Gemma 3 270M's card ships heads but names SirLLM at b=512 and original positions (measured better). A flag
+    wins; the card's [locret] budget serves every evicting policy, its positions LOCRET only."""
     from localchat.planning.resolve import resolve
     from localchat.planning.sources import Kind
 
@@ -293,6 +293,9 @@ def test_a_cards_measured_policy_is_the_default_where_no_heads_exist(config):
     spec = resolve({"model": "gemma3-270m", "budget": 256}, env={}, plan=False, quiet=True)
     assert (spec.policy.name, spec.policy.budget) == ("sirllm", 256) and spec.sources["budget"].kind == Kind.FLAG
     spec = resolve({"model": "gemma3-270m", "policy": "streaming"}, env={}, plan=False, quiet=True)
-    assert spec.policy.positions == "compact" and spec.policy.budget != 512  # the streaming policy's own defaults
+    assert (spec.policy.positions, spec.policy.budget) == ("compact", 512)  # its own positions, the card's budget
+    spec = resolve({"model": "gemma3-270m", "policy": "locret"}, env={}, plan=False, quiet=True)
+    assert (spec.policy.budget, spec.policy.positions) == (512, "original")
+    assert spec.sources["positions"].kind == Kind.CARD
     spec = resolve({}, env={}, plan=False, quiet=True)  # the default model: its shipped heads, LOCRET
     assert spec.policy.name == "locret" and spec.sources["policy"].kind == Kind.DEFAULT
