@@ -105,7 +105,8 @@ def _run(trials: int, seed: int, tmp_path: Path, tiny_tok) -> None:
             line = driver.stdout.readline()
             assert line.startswith("saving"), (where, line)
             writer, marks, killed = int(line.split()[1]), [], None
-            while (line := driver.stdout.readline()).startswith("mark"):
+            # a writer killed inside a print leaves half a line, which the driver's "reaped" then ends
+            while (line := driver.stdout.readline()).startswith("mark") and not line.rstrip().endswith("reaped"):
                 marks.append(line.split()[1])
                 if len(marks) - 1 == target and marks[-1] != "saved":
                     time.sleep(delay)
@@ -114,7 +115,7 @@ def _run(trials: int, seed: int, tmp_path: Path, tiny_tok) -> None:
                         killed = marks[-1]
                     except ProcessLookupError:  # the save ended (and was reaped) within the delay: no kill
                         pass
-            while line.strip() != "reaped":
+            while not line.rstrip().endswith("reaped"):
                 assert line, where
                 line = driver.stdout.readline()
             seen.add(killed)
