@@ -294,14 +294,12 @@ class KVCache(Cache):
         kinds = list(kinds) if kinds is not None else [LayerKind(GLOBAL)] * num_layers
         if len(kinds) != num_layers:
             raise ValueError(f"{len(kinds)} layer kinds for {num_layers} layers")
-        freqs = list(inv_freq) if isinstance(inv_freq, (list, tuple)) else [inv_freq] * num_layers
-        if positions == "compact" and all(f is None for f in freqs):
-            raise ValueError("compact positions need the model's RoPE inv_freq")
-        self.kinds, self.inv_freqs, self.tail = kinds, freqs, tail
+        self.kinds, self.tail = kinds, tail
         self.governed = [i for i, k in enumerate(kinds) if k.grows]
         super().__init__(layers=[self._layer(k, reserve) for k in kinds])
-        self.positions = positions
-        self.inv_freq = next((freqs[i] for i in self.governed if freqs[i] is not None), None)
+        self._take_positions(positions, inv_freq)
+        if positions == "compact" and all(f is None for f in self.inv_freqs):
+            raise ValueError("compact positions need the model's RoPE inv_freq")
         # What a policy keeps beside the cache, e.g. layers whose units live in host memory. It has `device`
         # (where the units are used), `owner` (the policy class that keeps it), `rollback()` (a forward failed:
         # drop what was copied in for it) and `restore(cache)` (another policy takes the cache: bring every
@@ -317,12 +315,17 @@ class KVCache(Cache):
         """An empty cache takes other positions (and their RoPE frequencies, one per layer or one for all)."""
         if not self.empty_now():
             raise ValueError("only an empty cache changes its positions")
-        freqs = list(inv_freq) if isinstance(inv_freq, (list, tuple)) else [inv_freq] * len(self.layers)
-        self.positions, self.inv_freqs = positions, freqs
-        self.inv_freq = next((freqs[i] for i in self.governed if freqs[i] is not None), None)
+        freqs = self._take_positions(positions, inv_freq)
         for i in self.governed:  # a quantized layer stores compact keys un-rotated (engine/qcache.py)
             if hasattr(self.layers[i], "inv_freq"):
                 self.layers[i].inv_freq = freqs[i] if positions == "compact" else None
+
+    def _take_positions(self, positions: str, inv_freq) -> list[torch.Tensor | None]:
+        """Set the positions and the RoPE frequencies (one per layer, or one for all); returns them per layer."""
+        freqs = list(inv_freq) if isinstance(inv_freq, (list, tuple)) else [inv_freq] * len(self.layers)
+        self.positions, self.inv_freqs = positions, freqs
+        self.inv_freq = next((freqs[i] for i in self.governed if freqs[i] is not None), None)
+        return freqs
 
     def _layer(self, kind: LayerKind, reserve: int):
         if kind.kind == WINDOW:
@@ -382,15 +385,13 @@ class KVCache(Cache):
             return
         if self.extension is not None:
             raise ValueError("a cache with units kept elsewhere cannot change its positions")
-        freqs = list(inv_freq) if isinstance(inv_freq, (list, tuple)) else [inv_freq] * len(self.layers)
         delta = self.get_seq_length() - next_position
+        freqs = self._take_positions("compact", inv_freq)
         for i, layer in enumerate(self.layers):
             if i in self.governed:
                 layer.to_slots(freqs[i])
             elif isinstance(layer, WindowLayer):
                 layer.shift(delta, freqs[i])
-        self.positions, self.inv_freqs = "compact", freqs
-        self.inv_freq = next((freqs[i] for i in self.governed if freqs[i] is not None), None)
 
     def settle(self) -> None:
         """After a forward: the window layers drop what lies beyond their windows."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from localchat.engine import weights_check
 from localchat.engine.heads_files import CONFIG, WEIGHTS, read_config
+from localchat.engine.layer_kinds import layer_kinds
 from localchat.errors import UserError, first_line
 
 
@@ -39,8 +40,6 @@ def head_shape(model) -> dict:
     }
     if getattr(cfg, "model_type", "") in GATED_Q:
         shape["q_gate"] = True  # the q projection also gives the output gate: 2 x H_q x d wide
-    from localchat.engine.layer_kinds import layer_kinds
-
     grows = [i for i, kind in enumerate(layer_kinds(cfg)) if kind.grows]
     if len(grows) < shape["layers"]:  # a hybrid: heads only for the layers whose cache grows (the evicted ones)
         shape["scored"] = grows
@@ -261,6 +260,7 @@ class HeadScorer:
         self.heads.eval().requires_grad_(False)
         self.dtype = next(self.heads.parameters()).dtype
         layers = heads.shape["layers"]
+        self.by_layer = [self.heads.head(i) for i in range(layers)]  # None: a layer without a head
         self.new: list[torch.Tensor | None] = [None] * layers
         self.queue: list[list[torch.Tensor]] = [[] for _ in range(layers)]
         self.handles = hook_qkv(model, self.take_qkv)
@@ -268,7 +268,7 @@ class HeadScorer:
     def take_qkv(self, i: int, qkv: torch.Tensor) -> None:
         """Layer i's pre-RoPE q/k/v `[T, (H_q + 2 H_kv) d]` (what the hooks give); a chunk's scoring is a profiler
         range named `HEADS_RANGE`. A layer without a head is not scored."""
-        if self.heads.head(i) is None:
+        if self.by_layer[i] is None:
             return
         if qkv.shape[0] == 1:
             self.queue[i].append(qkv)
@@ -277,7 +277,7 @@ class HeadScorer:
                 self.new[i] = self._run(i, qkv)
 
     def _run(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
-        return self.heads.head(i)(qkv.to(self.dtype)).T.float()  # [H_kv, T]
+        return self.by_layer[i](qkv.to(self.dtype)).T.float()  # [H_kv, T]
 
     def take(self, i: int) -> torch.Tensor:
         scores, self.new[i] = self.new[i], None
