@@ -1,13 +1,15 @@
 """One file of a hub repository at one commit, through huggingface_hub: its cache, token, resume and progress bar.
 
 `metadata` asks the hub (one HEAD) what a file is at a revision: the commit, the size and, for a Git LFS file,
-its sha256 (X-Linked-Etag). `download` brings the file into the Hugging Face cache (`hf_hub_download`), or finds
-it there offline. The caller checks the bytes against the sha256; `forget` removes a damaged copy from the cache
-so the next download starts clean. Hub failures become Offline, Broken or a one-line UserError.
+its sha256 (X-Linked-Etag), for a plain git file its git blob id (the ETag: sha1 of "blob <size>\\0" + bytes).
+`download` brings the file into the Hugging Face cache (`hf_hub_download`), or finds it there offline. The
+caller checks the bytes against the sha256 or the blob id (`git_blob_sha1`); `forget` removes a damaged copy
+from the cache so the next download starts clean. Hub failures become Offline, Broken or a one-line UserError.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import re
@@ -31,6 +33,7 @@ from localchat import __version__
 from localchat.errors import UserError, first_line
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
+GIT_SHA1 = re.compile(r"[0-9a-f]{40}")
 
 
 class Offline(Exception):
@@ -57,6 +60,7 @@ class Metadata:
     commit: str
     size: int | None
     sha256: str | None  # None when the file is not in Git LFS (the hub then gives a git blob id)
+    blob_sha1: str | None = None  # a plain git file's blob id (its ETag); None for a Git LFS file
 
 
 def offline_mode() -> bool:
@@ -113,7 +117,8 @@ def metadata(remote: Remote) -> Metadata:
                                     library_version=__version__)
     etag = (meta.etag or "").strip('"').lower()
     return Metadata(commit=meta.commit_hash or remote.revision, size=meta.size,
-                    sha256=etag if SHA256.fullmatch(etag) else None)
+                    sha256=etag if SHA256.fullmatch(etag) else None,
+                    blob_sha1=etag if GIT_SHA1.fullmatch(etag) else None)
 
 
 def download(remote: Remote) -> Path:
@@ -127,12 +132,33 @@ def download(remote: Remote) -> Path:
 def cached(remote: Remote) -> tuple[Path, str | None] | None:
     """(the file, and the sha256 its cache entry is named by) when the Hugging Face cache holds it at
     `remote.revision` (a commit), else None. No network."""
+    found = cache_entry(remote)
+    if found is None:
+        return None
+    path, blob, _ = found
+    return path, blob if SHA256.fullmatch(blob) else None
+
+
+def cache_entry(remote: Remote) -> tuple[Path, str, str] | None:
+    """(the file, the name of its blob, the commit of its snapshot) when the Hugging Face cache holds it at
+    `remote.revision` (a commit, or a branch the cache recorded the commit of), else None. The cache names a
+    blob by the ETag the hub gave: an LFS file's sha256, a plain git file's blob id. No network."""
     try:
         path = Path(hf_hub_download(remote.repo, remote.file, revision=remote.revision, local_files_only=True))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError):
         return None
-    blob = Path(os.path.realpath(path)).name  # the cache names an LFS file's blob by the sha256 the hub gave
-    return path, blob if SHA256.fullmatch(blob) else None
+    snapshot = path.parents[len(Path(remote.file).parts) - 1]  # snapshots/<commit>/<file>
+    return path, Path(os.path.realpath(path)).name, snapshot.name
+
+
+def git_blob_sha1(path: Path, block: int = 1 << 22) -> str:
+    """The git blob id of a file: sha1 of b"blob <size>\\0" + its bytes (what the hub gives as a plain git
+    file's ETag)."""
+    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def forget(path: Path) -> None:

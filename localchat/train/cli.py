@@ -39,10 +39,10 @@ def add_parser(sub) -> None:
     p.add_argument("--keep", type=int, default=768, help="tokens of features kept per sample (default 768)")
     p.add_argument("--seed", type=int, default=0)
 
-    q = sub.add_parser("import-heads", help="convert an official LOCRET heads file into our format (the manual path "
-                                            "of `heads fetch`)")
+    q = sub.add_parser("import-heads", help="convert an official LOCRET heads file into our format, or copy a KVzap "
+                                            "release folder (the manual path of `heads fetch`)")
     q.add_argument("source", help="the release's .bin (e.g. llama-3.1-8B-instruct.bin), or a .safetensors file or "
-                                  "a directory of them")
+                                  "a directory of them, or a KVzap release folder (config.json + model.safetensors)")
     q.add_argument("--out", required=True)
     _model_flag(q)
 
@@ -106,6 +106,7 @@ def run_train(args, engine) -> int:
 def run_import(args) -> int:
     from transformers import AutoConfig
 
+    from localchat.engine import kvzap
     from localchat.engine.heads import import_official
     from localchat.engine.loading import resolve
 
@@ -114,30 +115,59 @@ def run_import(args) -> int:
         config = AutoConfig.from_pretrained(source)
     except OSError as exc:
         raise UserError(f"cannot read the config of {args.model}: {str(exc).splitlines()[0]}") from exc
+    if kvzap.is_kvzap(args.source):
+        print(import_kvzap(Path(args.source), config, Path(args.out)))
+        return 0
     print(import_official(args.source, config, args.out))
     return 0
 
 
+def import_kvzap(source: Path, config, out: Path) -> Path:
+    """A KVzap release folder copied verbatim into `out` (its config.json and model.safetensors, with the
+    weights' sha256 stamp) once its tensors match its config and its config fits the model of `config`."""
+    import shutil
+
+    from localchat.engine import kvzap, weights_check
+
+    release = kvzap.check_release(source)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kvzap.check_fits(release, text.hidden_size, getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+                     text.num_hidden_layers, str(source))
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (kvzap.CONFIG, kvzap.WEIGHTS):
+        shutil.copyfile(source / name, out / name)
+    weights_check.stamp(out)
+    return out
+
+
 def add_heads_parser(sub) -> None:
-    p = sub.add_parser("heads", help="retaining heads of carded models from official LOCRET releases")
+    p = sub.add_parser("heads", help="trained scorers of carded models from official releases: LOCRET retaining heads, "
+                                     "KVzap scorers")
     hs = p.add_subparsers(dest="heads_command", metavar="fetch", required=True)
-    f = hs.add_parser("fetch", help="download MODEL's official LOCRET release (one heads-only file), check it, convert it into the cache")
+    f = hs.add_parser("fetch", help="download MODEL's official trained scorer (a LOCRET heads-only file, converted, or "
+                                    "a KVzap release, as it is), check it, install it into the cache")
     f.add_argument("name", nargs="?", metavar="MODEL",
                    help="a model card's id, alias or upstream id (default: --model, else the embedded default model)")
+    f.add_argument("--kind", choices=["locret", "kvzap"], default=None,
+                   help="which release, where a card has both (default: kvzap where the card's policy is kvzap or it "
+                        "has no LOCRET release, else locret)")
     f.add_argument("--revision", default=None,
-                   help="branch, tag or commit of the release (default: the commit the model card pins)")
+                   help="branch, tag or commit of the release (default: the commit or branch the model card names)")
 
 
 def run_heads(args) -> int:
-    """`localchat heads fetch [MODEL]`: print the cache directory holding the converted heads."""
+    """`localchat heads fetch [MODEL]`: print the cache directory holding the fetched scorer."""
     from localchat.engine import cards
-    from localchat.planning.heads_fetch import fetch_heads, releases_line
+    from localchat.planning import heads_fetch as hf
 
     name = args.name or getattr(args, "model", None)
     card = cards.find_card(name) if name else cards.default_card()
     if card is None:
-        raise UserError(f"no model card for {name!r}; carded models with an official LOCRET release: {releases_line()}")
-    print(fetch_heads(card, revision=args.revision))
+        raise UserError(f"no model card for {name!r}; carded models with an official LOCRET release: {hf.releases_line()}; "
+                        f"with a KVzap release: {hf.kvzap_releases_line()}")
+    kind = getattr(args, "kind", None) or hf.default_kind(card)
+    fetch = hf.fetch_kvzap if kind == "kvzap" else hf.fetch_heads
+    print(fetch(card, revision=args.revision))
     return 0
 
 
