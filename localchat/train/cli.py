@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every-nth", type=int, default=10, help="every Nth sample is held out (default 10)")
     p.add_argument("--keep", type=int, default=768, help="tokens of features kept per sample (default 768)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scorer", choices=["locret", "kvzap"], default="locret",
+                   help="locret: retaining heads (default); kvzap: a linear KVzap scorer fit in closed form on KVzip+ "
+                        "labels (--samples, --min-tokens, --max-tokens (default 1500), --seed, --eval-every-nth)")
 
     q = sub.add_parser("import-heads", help="convert an official LOCRET heads file into our format, or copy a KVzap "
                                             "release folder (the manual path of `heads fetch`)")
@@ -180,4 +183,9 @@ def run(args) -> int:
     from localchat.engine.engine import Engine
 
     check(args)  # before the model loads
-    return run_train(args, Engine.load(args.model, chunk=args.chunk))
+    engine = Engine.load(args.model, chunk=args.chunk)
+    if args.scorer == "kvzap":
+        from localchat.train import kvzap
+
+        return kvzap.run_train(args, engine)
+    return run_train(args, engine)
