@@ -15,7 +15,7 @@ from localchat.args import resolve_spec
 from localchat.config import RunSpec
 from localchat.errors import UserError
 from localchat.planning import profiles
-from localchat.planning.memory import GIB, MIB, Device, detect, quantized
+from localchat.planning.memory import GIB, MIB, Device, Shape, detect, quantized
 from localchat.planning.planner import Plan, decode_choices, make_plan, verify
 from localchat.planning.resolve import (
     Target,
@@ -113,8 +113,12 @@ def plan_for(args, quiet: bool = False) -> tuple[RunSpec, Plan, Device]:
 
 
 def heads_note(spec: RunSpec, card) -> str | None:
-    """Where LOCRET's heads will come from when that is an official release: fetched already, or not yet."""
+    """Where LOCRET's heads will come from when that is an official release: fetched already, or not yet; for
+    KVzap, which scorer, its size and where it comes from."""
     from localchat.planning.heads_fetch import Release, cached_heads
+
+    if spec.policy.name == "kvzap":
+        return kvzap_note(spec, card)
 
     release = Release.of(card) if card is not None else None
     if release is None or spec.policy.heads or not spec.policy.has_heads() or shipped_heads_dir(card):
@@ -124,6 +128,26 @@ def heads_note(spec: RunSpec, card) -> str | None:
         return f"retaining heads: the official release {release.describe()}, fetched into {directory}"
     return (f"retaining heads: the official release {release.describe()}, not fetched yet: "
             f"`localchat heads fetch {card.id}` downloads it once (or the first run does)")
+
+
+def kvzap_note(spec: RunSpec, card) -> str:
+    from localchat.engine import kvzap
+    from localchat.planning.heads_fetch import cached_kvzap
+    from localchat.planning.resolve import heads_dir_for, kvzap_config
+
+    p = spec.policy
+    if p.heads == "random":
+        return "scorer: KVzap, random (an ablation: untrained linear modules)"
+    directory = heads_dir_for(p, card)
+    config = kvzap_config(directory, card)
+    layers = Shape.from_card(card).global_layers if card is not None and card.shape.get("layers") else None
+    size = (f"{kvzap.variant(config)}, {kvzap.parameters(config, layers) / 1e6:,.1f}M parameters"
+            if config.get("n_modules") else "size unknown")
+    if p.heads:
+        return f"scorer: KVzap ({size}) from {directory}"
+    where = (f"fetched into {cached_kvzap(card)}" if cached_kvzap(card) else
+             f"not fetched yet: `localchat heads fetch {card.id}` downloads it once (or the first run does)")
+    return f"scorer: KVzap ({size}), the release {card.kvzap_release}, {where}"
 
 
 def run_plan(args) -> int:

@@ -158,3 +158,26 @@ def test_a_card_says_which_policies_cannot_serve_it(card, policy, why, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"{policy} cannot serve {card}" in err and why in err
     assert main(["--model", card, "--policy", "locret", "plan", "--memory-gb", "24", "--device", "cuda"]) == 0  # LOCRET serves each
+
+
+def test_heads_naming_a_kvzap_release_reads_with_kvzap(tiny_dir, tmp_path, capsys):
+    """`--heads DIR` with a KVzap release (kvpress's layout) picks `--policy kvzap`; the document is read past the
+    budget and answered, and `--stats` shows the kept cache; the wrong kind of folder for a policy is one line."""
+    from transformers import AutoConfig
+
+    from localchat.engine.kvzap_scorer import KVzapScorer
+
+    cfg = AutoConfig.from_pretrained(tiny_dir)
+    scorer = KVzapScorer({"model_type": "kvzap", "input_dim": cfg.hidden_size, "output_dim": cfg.num_key_value_heads,
+                          "hidden_dim": 16, "n_modules": cfg.num_hidden_layers})
+    scorer.save(tmp_path / "kvzap")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The river runs past the old mill. " * 60)
+    argv = ["--model", tiny_dir, "--heads", str(tmp_path / "kvzap"), "--budget", "64", "--stabilizers", "16",
+            "ask", "--stats", "--max-new-tokens", "3", "--file", str(doc), "What runs?"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("[kvzap, compact positions] read 2,") and "kept 163 units per KV head" in err  # 64+96+3
+    assert main(["--model", tiny_dir, "--policy", "locret", "--heads", str(tmp_path / "kvzap"), "ask", "q"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a KVzap scorer, not LOCRET retaining heads; add --policy kvzap" in err and err.count("\n") == 1

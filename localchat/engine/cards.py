@@ -55,6 +55,7 @@ class ModelCard:
     precision: dict[str, Any] = field(default_factory=dict)  # [precision]: weights measured to answer as fp32 does
     prompt: dict[str, Any] = field(default_factory=dict)  # [prompt]: a plain layout, for a model without a chat template
     policy: dict[str, Any] = field(default_factory=dict)  # [policy]: the measured default (before shipped heads)
+    kvzap: dict[str, Any] = field(default_factory=dict)  # [kvzap]: a released KVzap scorer (--policy kvzap)
 
     @property
     def parts(self) -> tuple[WheelFile, ...]:
@@ -105,6 +106,19 @@ class ModelCard:
         return self.heads.get("repo")
 
     @property
+    def kvzap_release(self) -> str | None:
+        """The hub repository of a released KVzap scorer for this model, if there is one."""
+        return self.kvzap.get("repo")
+
+    def kvzap_config(self) -> dict | None:
+        """The release's config.json as the card states it (engine/kvzap.py), for planning before any fetch."""
+        if not self.kvzap_release:
+            return None
+        s = self.shape
+        return {"model_type": "kvzap", "input_dim": int(s["hidden"]), "output_dim": int(s["kv_heads"]),
+                "hidden_dim": self.kvzap.get("hidden_dim"), "n_modules": int(s["layers"])}
+
+    @property
     def native_window(self) -> int:
         return int(self.shape["native_window"])
 
@@ -128,6 +142,7 @@ def all_cards() -> tuple[ModelCard, ...]:
                     precision=data.get("precision", {}),
                     prompt=data.get("prompt", {}),
                     policy=data.get("policy", {}),
+                    kvzap=data.get("kvzap", {}),
                 )
             )
     return tuple(cards)

@@ -31,9 +31,9 @@ def heads_source(spec: PolicySpec, card, name: str) -> Path | str | None:
     check_heads(spec, card, name)
     directory = heads_dir_for(spec, card)
     if directory is None:
-        from localchat.planning.heads_fetch import fetch_heads
+        from localchat.planning.heads_fetch import fetch_heads, fetch_kvzap
 
-        directory = fetch_heads(card)
+        directory = fetch_kvzap(card) if spec.name == "kvzap" else fetch_heads(card)
     return directory
 
 
@@ -48,12 +48,33 @@ def build_policy(engine_or_model, spec: PolicySpec, heads: Path | str | None = N
     settings.pop("heads", None)
     if spec.has_heads():
         where = heads if heads is not None else heads_source(spec, card, name)
-        if where == "random":
-            settings["heads"] = RetainingHeads.random(model)
-        else:
-            settings["heads"] = RetainingHeads.load(where)
-            settings["heads"].check_fits(model)
+        settings["heads"] = load_scorer(spec.name, where, model)
     return make_policy(spec.name, **settings)
+
+
+def load_scorer(policy: str, where: Path | str, model):
+    """The trained scorer `policy` reads, from `where` ("random", or a folder): LOCRET's retaining heads, or a
+    KVzap release for `kvzap`; one line when the folder holds the other kind."""
+    from localchat.engine import kvzap
+
+    if policy == "kvzap":
+        from localchat.engine.kvzap_scorer import KVzapScorer, growing
+
+        if where == "random":
+            return KVzapScorer.random(model)
+        if not kvzap.is_kvzap(where):
+            raise UserError(f"{where} holds no KVzap scorer (a config.json with model_type \"kvzap\" and "
+                            f"model.safetensors); pass a KVzap release folder, or --policy locret for retaining heads")
+        scorer = KVzapScorer.load(where, growing(model))
+        scorer.check_fits(model)
+        return scorer
+    if where == "random":
+        return RetainingHeads.random(model)
+    if kvzap.is_kvzap(where):
+        raise UserError(f"{where} holds a KVzap scorer, not LOCRET retaining heads; add --policy kvzap")
+    heads = RetainingHeads.load(where)
+    heads.check_fits(model)
+    return heads
 
 
 def use_policy(engine: Engine, spec: PolicySpec, *, kv: str | None = None, chunk: int | None = None,

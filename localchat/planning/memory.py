@@ -503,9 +503,16 @@ def scratch_bytes(shape: Shape, chunk: int, kv_len: int, act: str = "bf16") -> i
     return int(repeated + chunk * kv_len + chunk * shape.q_heads * shape.head_dim * elem_bytes(act))
 
 
-def heads_bytes(shape: Shape, d_r: int, chunk: int, act: str = "bf16") -> int:
+def heads_bytes(shape: Shape, d_r: int, chunk: int, act: str = "bf16", kvzap: dict | None = None) -> int:
     """Retaining heads (one per layer the policy scores: a hybrid's global layers): weights (stored at the
-    model's dtype) and one chunk's input and hidden layer."""
+    model's dtype) and one chunk's input and hidden layer. `kvzap`: a KVzap scorer's release config instead
+    (engine/kvzap.py): its modules of the scored layers and one chunk's hidden layer and scores."""
+    if kvzap is not None:
+        from localchat.engine.kvzap import parameters
+
+        width = kvzap.get("hidden_dim") or 0
+        b = elem_bytes(act)
+        return int((parameters(kvzap, shape.global_layers) + chunk * (width + kvzap["output_dim"])) * b)
     if d_r <= 0:
         return 0
     in_dim = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
@@ -528,6 +535,7 @@ class Estimate:
     evict: int = 0  # an eviction's scratch in one layer (evict_bytes)
     window: int = 0  # a hybrid's sliding-window layers while a chunk is read (window_bytes)
     state: int = 0  # a hybrid's linear-attention layers' fixed state (state_bytes)
+    scorer: str = "retaining heads"  # what scores the units ("KVzap scorer")
 
     @property
     def used(self) -> int:
@@ -553,13 +561,14 @@ class Estimate:
         rows += [("activations", self.activations), ("attention scratch", self.scratch)]
         forward = self.activations + self.scratch + self.kv_copy  # the rows add up to the total:
         rows += [("eviction, beyond", self.evict - forward)] if self.evict > forward else []  # the larger transient
-        rows += [("retaining heads", self.heads)]
+        rows += [(self.scorer, self.heads)]
         return rows + ([("policy scores", self.scores)] if self.scores else []) + [("margin", self.margin)]
 
 
 def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: int = 0, weights: str = "bf16",
              kv: str = "bf16", act: str = "bf16", d_r: int = 0, margin: int = 0,
-             weights_exact: int | None = None, policy=None, compact: bool = False, kind: str = "cuda") -> Estimate:
+             weights_exact: int | None = None, policy=None, compact: bool = False, kind: str = "cuda",
+             kvzap: dict | None = None) -> Estimate:
     """Peak memory of a LOCRET prefill + answer at these settings. `weights_exact`: the loaded model's bytes;
     `policy`: the Policy, whose scoring may need memory of its own (its `score_bytes`), or None. The budget
     bounds the global layers; a hybrid's window layers hold their window and the chunk being read, its
@@ -574,7 +583,8 @@ def estimate(shape: Shape, *, budget: int, chunk: int, local: int = 0, max_new: 
         evict=evict_bytes(shape, kv, act, budget + local, per_head=kind == "cpu", compact=compact),
         activations=activation_bytes(shape, chunk, act),
         scratch=scratch_bytes(shape, chunk, budget + chunk + local, act),
-        heads=heads_bytes(shape, d_r, chunk, act),
+        heads=heads_bytes(shape, d_r, chunk, act, kvzap),
+        scorer="KVzap scorer" if kvzap is not None else "retaining heads",
         margin=margin,
         scores=policy.score_bytes(shape.global_layers, shape.q_heads, shape.kv_heads, chunk, budget + chunk + local)
         if policy is not None else 0,

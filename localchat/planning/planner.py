@@ -107,6 +107,7 @@ class Request:
     kv: str | None = "bf16"  # "none" or a float dtype: full precision; int8/int4/int2; None: the planner chooses
     act: str = "bf16"  # the activations' dtype when the weights are quantized (float weights set their own)
     d_r: int = 0  # retaining heads' hidden size (0: no heads)
+    kvzap: dict | None = None  # a KVzap scorer's release config (engine/kvzap.py), scoring in place of heads
     margin: int | None = None  # bytes; None: DEFAULT_MARGIN for the device kind
     target: int | None = None  # budget target (model card); None: DEFAULT_TARGET
     card_chunk: int | None = None  # the card's chunk: the preferred speed when nothing was measured
@@ -169,10 +170,10 @@ class Plan:
         r = self.request
         full = r.act  # a cache without eviction is the plain one, at the activations' dtype
         fixed = estimate(self.shape, budget=0, chunk=self.chunk, local=0, max_new=0, weights=r.weights, kv=full,
-                         act=r.act, d_r=r.d_r, margin=self.estimate.margin, weights_exact=r.weights_exact)
+                         act=r.act, d_r=r.d_r, margin=self.estimate.margin, weights_exact=r.weights_exact, kvzap=r.kvzap)
         per_token = estimate(self.shape, budget=1, chunk=self.chunk, local=0, max_new=0, weights=r.weights,
                              kv=full, act=r.act, d_r=r.d_r, margin=self.estimate.margin,
-                             weights_exact=r.weights_exact).total - fixed.total
+                             weights_exact=r.weights_exact, kvzap=r.kvzap).total - fixed.total
         off, depth = (self.offloaded() if offload else 0), self.shape.layers
         unit = kv_unit_bytes(self.shape, full)
         on_device, in_host = split_bytes(unit, depth, off, prompt=1)
@@ -252,7 +253,7 @@ def _margin(req: Request) -> int:
 def _estimate(shape: Shape, req: Request, budget: int, chunk: int, margin: int) -> Estimate:
     return estimate(shape, budget=budget, chunk=chunk, local=req.local, max_new=req.max_new, weights=req.weights,
                     kv=req.kv_dtype(), act=req.act, d_r=req.d_r, margin=margin, weights_exact=req.weights_exact,
-                    policy=req.policy, compact=req.compact, kind=req.kind)
+                    policy=req.policy, compact=req.compact, kind=req.kind, kvzap=req.kvzap)
 
 
 def _positions(req: Request, chunk: int) -> int:

@@ -34,7 +34,8 @@ def policy_options() -> dict[str, tuple[str, Any]]:
     """Each policy's own settings (Policy.options) as a profile names them: key -> (kind, lower bound). The policy
     checks the values further (LOCRET: n_s below the budget)."""
     kinds = {int: ("int", 0), float: ("float", 0.0), bool: ("bool", None)}
-    return {o.key: kinds[o.type] for row in CATALOG.values() for o in row.options.values()}
+    return {o.key: ("float", float("-inf")) if o.signed else kinds[o.type]
+            for row in CATALOG.values() for o in row.options.values()}
 
 
 # Settings a profile may hold: key -> (kind, lower bound or choices). These reach the engine.
@@ -312,11 +313,34 @@ def resolve(cli: dict[str, Any], profile_name: str | None = None, env: dict | No
         elif profile is not None and key in profile.values:
             values[key], sources[key] = profile.values[key], Source(Kind.PROFILE, profile.label)
     r = Resolved(values, sources, profile, why)
+    other = _other_model(profile, values.get("model"), sources.get("model"))
+    if other:
+        dropped = [k for k in MODEL_BOUND if k in values and sources[k].kind is Kind.PROFILE]
+        for key in dropped:
+            del values[key], sources[key]
+        if dropped:
+            r.warnings.append(f"{profile.label} sets {', '.join(dropped)} for {profile.values['model']}; "
+                              f"{other} takes its own (its model card's, or the defaults)")
     if profile is not None and device is not None:
         mismatch = device_mismatch(profile, device)
         if mismatch:
             r.warnings.append(mismatch)
     return r
+
+
+MODEL_BOUND = ("policy", "positions", "budget", "local", *policy_options())  # a profile's settings for its model
+
+
+def _other_model(profile: Profile | None, model: str | None, source) -> str | None:
+    """The model asked for, when it is not the one the profile names (then the profile's policy settings, made
+    for that model, do not apply: `localchat --profile rtx4090 --model qwen3-8b`)."""
+    if profile is None or not profile.values.get("model") or not model or source.kind is Kind.PROFILE:
+        return None
+    from localchat.engine.cards import find_card
+
+    mine, theirs = find_card(model), find_card(str(profile.values["model"]))
+    same = mine is not None and theirs is not None and mine.id == theirs.id
+    return None if same or model == profile.values["model"] else model
 
 
 def device_mismatch(profile: Profile, device) -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat.config import PolicySpec, RunSpec
+from localchat.engine import kvzap
 from localchat.engine.cards import DEFAULT_CHUNK, ModelCard, default_card, find_card
 from localchat.engine.generation import GenerationSettings
 from localchat.engine.heads_files import WEIGHTS as HEADS_FILE
@@ -182,7 +183,9 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, S
     chosen = (card.policy if card else {}) or {}  # the card's measured default (before any heads it ships)
     if name is None:
         release = card is not None and bool(card.heads_release)  # official heads, fetched at first load
-        if heads or not chosen.get("name"):
+        if heads and kvzap.is_kvzap(Path(str(heads)).expanduser()):  # --heads names a KVzap release
+            name, sources["policy"] = "kvzap", Source.default("--heads holds a KVzap scorer")
+        elif heads or not chosen.get("name"):
             name = DEFAULT_POLICY if heads or shipped_heads_dir(card) or release else PLAIN_POLICY
             sources["policy"] = Source.default("heads ship for the model" if shipped_heads_dir(card) or heads else
                                                "official heads for the model, fetched at first load" if release
@@ -243,13 +246,25 @@ def policy_spec(name: str | None, given: dict[str, Any], given_from: dict[str, S
 def heads_dir_for(spec: PolicySpec, card: ModelCard | None) -> Path | None:
     """Where the policy's retaining heads are: --heads DIR, the package's (shipped), or the user cache (fetched);
     None for `random` or where none are at hand yet."""
-    from localchat.planning.heads_fetch import cached_heads
+    from localchat.planning.heads_fetch import cached_heads, cached_kvzap
 
     if spec.heads == "random":
         return None
     if spec.heads:
         return Path(spec.heads).expanduser()
+    if spec.name == "kvzap":  # a released KVzap scorer, fetched into the user cache
+        return cached_kvzap(card) if card is not None and card.kvzap_release else None
     return shipped_heads_dir(card) or (cached_heads(card) if card is not None else None)
+
+
+def kvzap_config(directory: Path | None, card: ModelCard | None, random: bool = False) -> dict:
+    """The KVzap scorer's release config for planning: the folder's, else the card's release; where neither is
+    known (a random scorer: linear, a few thousand parameters a layer), one that counts nothing."""
+    if directory is not None and kvzap.is_kvzap(directory):
+        return kvzap.read_config(directory)
+    if card is not None and card.kvzap_config() and not random:
+        return card.kvzap_config()
+    return {"model_type": "kvzap", "input_dim": 0, "output_dim": 0, "hidden_dim": None, "n_modules": 0}
 
 
 def check_heads(spec: PolicySpec, card: ModelCard | None, name: str) -> None:
@@ -258,6 +273,17 @@ def check_heads(spec: PolicySpec, card: ModelCard | None, name: str) -> None:
     if not spec.has_heads() or spec.heads == "random":
         return
     directory = heads_dir_for(spec, card)
+    if spec.name == "kvzap":
+        if spec.heads and not kvzap.is_kvzap(directory):
+            raise UserError(f"no KVzap scorer in {directory} (a config.json with model_type \"kvzap\" and "
+                            f"model.safetensors, as nvidia/KVzap-* on the hub); pass a KVzap release folder, "
+                            f"or --heads random (an ablation)")
+        if directory is None and (card is None or not card.kvzap_release):
+            raise UserError(f"no KVzap scorer is released for {name}; pass --heads DIR (a KVzap release folder, or "
+                            f"one `localchat train-heads --scorer kvzap` wrote), or choose another --policy")
+        return
+    if spec.heads and kvzap.is_kvzap(directory):
+        raise UserError(f"{directory} holds a KVzap scorer, not LOCRET retaining heads; add --policy kvzap")
     if spec.heads and not (directory / HEADS_FILE).is_file():
         raise UserError(f"no retaining heads in {directory} (no {HEADS_FILE}); pass the directory `localchat "
                         f"train-heads` or `localchat import-heads` wrote, or --heads random (an ablation)")
@@ -283,10 +309,13 @@ def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set
     p = spec.policy
     cls = p.cls
     act = act or ("bf16" if kind == "cuda" else "fp32")
-    d_r = 0
+    d_r, scorer = 0, None
     if "heads" in cls.fields():
         found = spec.heads_dir if isinstance(spec.heads_dir, Path) else heads_dir_for(p, card)
-        d_r = RANDOM_HEADS_D_R if p.heads == "random" else heads_d_r(found) or RANDOM_HEADS_D_R
+        if p.name == "kvzap":
+            scorer = kvzap_config(found, card, p.heads == "random")
+        else:
+            d_r = RANDOM_HEADS_D_R if p.heads == "random" else heads_d_r(found) or RANDOM_HEADS_D_R
     throughput, speed = {}, decode_speed(kind)
     if measured:
         throughput = {int(c): float(t) for c, t in zip(measured.get("chunks", []), measured.get("tokens_per_s", []))}
@@ -297,7 +326,7 @@ def plan_request(spec: RunSpec, card: ModelCard | None, kind: str, *, fixed: set
     weights = (spec.weights or act) if "weights" in fixed else None
     return Request(
         budget=p.budget if "budget" in fixed else None, chunk=spec.chunk if "chunk" in fixed else None,
-        local=p.local, max_new=spec.generation.max_new_tokens, weights=weights,
+        local=p.local, max_new=spec.generation.max_new_tokens, weights=weights, kvzap=scorer,
         kv=(spec.kv or "none") if "kv" in fixed or not cls.bounded() else None, act=act, d_r=d_r,
         margin=spec.margin_mib * MIB if spec.margin_mib is not None else None,
         target=p.budget if _from_card(spec, "budget") else None,

@@ -20,6 +20,7 @@ from tiny import ARCHITECTURES, HYBRIDS, tiny_architecture, tiny_tokenizer
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
 from localchat.engine.heads import RetainingHeads
+from localchat.engine.kvzap_scorer import KVzapScorer
 from localchat.engine.layer_kinds import has_sinks, hybrid
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.sampling import GenerationSettings
@@ -34,7 +35,7 @@ def tok():
     return tiny_tokenizer()
 
 
-CORE = ("full", "locret", "sirllm", "streaming", "omnikv")  # on the hybrids by default; the others with -m slow
+CORE = ("full", "locret", "kvzap", "sirllm", "streaming", "omnikv")  # on the hybrids by default; the others with -m slow
 PAIRS = [pytest.param(arch, name, marks=[pytest.mark.slow] if arch in HYBRIDS and name not in CORE else [])
          for arch in sorted(ARCHITECTURES) for name in sorted(POLICIES)]
 _MODELS: dict[str, object] = {}
@@ -49,7 +50,8 @@ def _model(arch: str, tok):
 
 def build(name: str, model):
     cls = POLICIES[name]
-    extra = {"heads": RetainingHeads.random(model, d_r=32)} if "heads" in cls.fields() else {}
+    scorer = KVzapScorer.random(model, hidden_dim=8) if name == "kvzap" else RetainingHeads.random(model, d_r=32)
+    extra = {"heads": scorer} if "heads" in cls.fields() else {}
     settings = {"budget": BUDGET, "local": LOCAL} if cls.uses_budget() else {}
     if "stabilizers" in cls.fields():
         settings["stabilizers"] = BUDGET // 4

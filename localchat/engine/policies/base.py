@@ -56,6 +56,7 @@ class Option:
     type: type
     help: str
     cuda_only: bool = False  # only meaningful on a CUDA device (refused on a CPU)
+    signed: bool = False  # a number that may be negative (KVzap's log-scale --threshold)
 
     @property
     def key(self) -> str:

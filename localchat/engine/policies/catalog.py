@@ -40,6 +40,11 @@ ROWS = (  # in the order `localchat policies` lists them
                                      "attention picks the units (default 32)"),
               "focus_spread": Option("--focus-spread", int, "LOCRET --focus: a unit also takes the vote of the "
                                      "units up to N tokens before it (default 16)")}),
+    Entry("kvzap", "kvzap", "KVzap: a trained scorer reads each unit's hidden state; keep the top budget (or those "
+                            "above --threshold)", heads=True, options={
+              "stabilizers": Option("--stabilizers", int, "LOCRET n_s: newest units protected per chunk"),
+              "threshold": Option("--threshold", float, "KVzap: keep only units scored >= T (log scale; kvpress uses "
+                                  "-4), at most the budget per KV head", signed=True)}),
     Entry("full", "full", "no eviction: the whole KV cache (memory grows with the document)", evicts=False),
     Entry("streaming", "streaming", "StreamingLLM: attention sinks + the most recent tokens"),
     Entry("h2o", "h2o", "H2O: keep heavy hitters (most accumulated attention) + recent tokens",
