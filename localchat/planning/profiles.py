@@ -332,15 +332,15 @@ MODEL_BOUND = ("policy", "positions", "budget", "local", *policy_options())  # a
 
 
 def _other_model(profile: Profile | None, model: str | None, source) -> str | None:
-    """The model asked for, when it is not the one the profile names (then the profile's policy settings, made
-    for that model, do not apply: `localchat --profile rtx4090 --model qwen3-8b`)."""
+    """The model asked for, when its model card is another than that of the model the profile names (then the
+    profile's policy settings, made for that model, do not apply: `localchat --profile rtx4090 --model qwen3-8b`).
+    A model without a card (a local folder, an id no card knows) keeps them."""
     if profile is None or not profile.values.get("model") or not model or source.kind is Kind.PROFILE:
         return None
     from localchat.engine.cards import find_card
 
     mine, theirs = find_card(model), find_card(str(profile.values["model"]))
-    same = mine is not None and theirs is not None and mine.id == theirs.id
-    return None if same or model == profile.values["model"] else model
+    return model if mine is not None and theirs is not None and mine.id != theirs.id else None
 
 
 def device_mismatch(profile: Profile, device) -> str | None:
