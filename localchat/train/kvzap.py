@@ -1,7 +1,7 @@
 """Train a KVzap scorer (engine/kvzap.py's release format) for a model, on the CPU: KVzip+ labels from the model's
 own attention over repeated texts, then a closed-form ridge regression per layer.
 
-Labels (KVzip+, Jegou et al., 2026, arXiv 2601.07891 §3): a text is laid out as a chat in which the user gives
+Labels (KVzip+, KVzap: NVIDIA, 2026, arXiv 2601.07891 §3): a text is laid out as a chat in which the user gives
 the text followed by "Repeat the previous context exactly." and the assistant repeats it. With full attention and
 no eviction, for layer l, KV head j and a token k of the original text:
 
