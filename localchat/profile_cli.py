@@ -143,7 +143,7 @@ def kvzap_note(spec: RunSpec, card) -> str:
     layers = Shape.from_card(card).global_layers if card is not None and card.shape.get("layers") else None
     size = (f"{kvzap.variant(config)}, {kvzap.parameters(config, layers) / 1e6:,.1f}M parameters"
             if config.get("n_modules") else "size unknown")
-    if p.heads:
+    if p.heads or (directory is not None and card is not None and not card.kvzap_release):
         return f"scorer: KVzap ({size}) from {directory}"
     where = (f"fetched into {cached_kvzap(card)}" if cached_kvzap(card) else
              f"not fetched yet: `localchat heads fetch {card.id}` downloads it once (or the first run does)")

@@ -66,6 +66,14 @@ def shipped_heads_dir(card: ModelCard | None) -> Path | None:
     return directory if (directory / HEADS_FILE).exists() else None
 
 
+def shipped_kvzap_dir(card: ModelCard | None) -> Path | None:
+    """models/<card id>/kvzap/ inside the package, if it holds a KVzap scorer for this model."""
+    if card is None:
+        return None
+    directory = Path(str(resources.files("localchat.models") / card.id)) / "kvzap"
+    return directory if kvzap.is_kvzap(directory) else None
+
+
 def heads_d_r(directory: Path | None) -> int:
     if directory is None:
         return 0
@@ -252,8 +260,8 @@ def heads_dir_for(spec: PolicySpec, card: ModelCard | None) -> Path | None:
         return None
     if spec.heads:
         return Path(spec.heads).expanduser()
-    if spec.name == "kvzap":  # a released KVzap scorer, fetched into the user cache
-        return cached_kvzap(card) if card is not None and card.kvzap_release else None
+    if spec.name == "kvzap":  # one that ships in the package, or a released one fetched into the user cache
+        return shipped_kvzap_dir(card) or (cached_kvzap(card) if card is not None and card.kvzap_release else None)
     return shipped_heads_dir(card) or (cached_heads(card) if card is not None else None)
 
 
@@ -279,7 +287,7 @@ def check_heads(spec: PolicySpec, card: ModelCard | None, name: str) -> None:
                             f"model.safetensors, as nvidia/KVzap-* on the hub); pass a KVzap release folder, "
                             f"or --heads random (an ablation)")
         if directory is None and (card is None or not card.kvzap_release):
-            raise UserError(f"no KVzap scorer is released for {name}; pass --heads DIR (a KVzap release folder, or "
+            raise UserError(f"no KVzap scorer ships or is released for {name}; pass --heads DIR (a KVzap release folder, or "
                             f"one `localchat train-heads --scorer kvzap` wrote), or choose another --policy")
         return
     if spec.heads and kvzap.is_kvzap(directory):

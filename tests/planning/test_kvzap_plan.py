@@ -35,3 +35,17 @@ def test_an_8_gb_card_lowers_the_budget_and_the_profiles_own_model_keeps_its_set
     offered, _ = plan(capsys, "--profile", "rtx4090", "--policy", "kvzap")  # Llama offers KVzap beside LOCRET
     assert offered["spec"]["policy"]["name"] == "kvzap" and offered["fits"]
     assert offered["bytes"]["KVzap scorer"] < 0.05 * GIB  # the linear release: 1.05M parameters
+
+
+def test_the_default_model_ships_a_kvzap_scorer(capsys):
+    """`--policy kvzap` on the embedded SmolLM2 reads the scorer that ships beside its LOCRET heads."""
+    from localchat.engine import kvzap
+    from localchat.planning.resolve import heads_dir_for, resolve
+
+    spec = resolve({"policy": "kvzap"}, quiet=True)
+    where = heads_dir_for(spec.policy, spec.card)
+    assert where is not None and where.name == "kvzap" and where.parent.name == "smollm2-135m-instruct"
+    config = kvzap.check_release(where)
+    assert (config["input_dim"], config["output_dim"], config["n_modules"]) == (576, 3, 30)
+    data, _ = plan(capsys, "--policy", "kvzap")
+    assert any(n.startswith("scorer: KVzap (linear, 0.1M parameters) from ") for n in data["notes"])
