@@ -245,49 +245,48 @@ def hook_qkv(model, on_qkv) -> list:
 HEADS_RANGE = "localchat.heads"  # the profiler's name for a chunk's scoring (bench/experiments/gpu_prefill_profile.py)
 
 
-class HeadScorer:
-    """Forward hooks on q/k/v projections; after a forward, `take(i)` gives layer i's new scores `[H_kv, T]`.
+class UnitScorer:
+    """A trained module per scored layer turns each new token's input `[T, D]` into scores `[H_kv, T]`; after a
+    forward, `take(i)` gives layer i's. A one-token forward (a decoding step) is not scored at once: its input
+    waits in a queue, and `flush()` scores every queued token of every layer in one batch when the scores are next
+    needed (before an eviction, at the end of a generation). The module is per token, so the scores are the same.
+    Subclasses put the hooks that feed `take_input` (LOCRET's heads: q/k/v; KVzap: the input norm)."""
 
-    A one-token forward (a decoding step) is not scored at once: its pre-RoPE Q, K, V wait in a queue,
-    and `flush()` scores every queued token of every layer in one batch when the scores are next needed
-    (before an eviction, at the end of a generation). The head is per token, so the scores are the same.
-    """
+    range_name = HEADS_RANGE
 
-    def __init__(self, model, heads: RetainingHeads):
-        heads.check_fits(model)
+    def __init__(self, model, heads: nn.Module, layers: int):
         p = next(model.parameters())
         self.heads = heads.to(device=p.device, dtype=p.dtype if p.dtype != torch.float16 else torch.float32)
         self.heads.eval().requires_grad_(False)
         self.dtype = next(self.heads.parameters()).dtype
-        layers = heads.shape["layers"]
-        self.by_layer = [self.heads.head(i) for i in range(layers)]  # None: a layer without a head
+        self.by_layer = [self.heads.head(i) for i in range(layers)]  # None: a layer without a module
+        self.last = max(i for i, m in enumerate(self.by_layer) if m is not None)
         self.new: list[torch.Tensor | None] = [None] * layers
         self.queue: list[list[torch.Tensor]] = [[] for _ in range(layers)]
-        self.handles = hook_qkv(model, self.take_qkv)
+        self.handles: list = []
 
-    def take_qkv(self, i: int, qkv: torch.Tensor) -> None:
-        """Layer i's pre-RoPE q/k/v `[T, (H_q + 2 H_kv) d]` (what the hooks give); a chunk's scoring is a profiler
-        range named `HEADS_RANGE`. A layer without a head is not scored."""
+    def take_input(self, i: int, x: torch.Tensor) -> None:
+        """Layer i's input for its module, `[T, D]`; a chunk's scoring is a profiler range (`range_name`)."""
         if self.by_layer[i] is None:
             return
-        if qkv.shape[0] == 1:
-            self.queue[i].append(qkv)
+        if x.shape[0] == 1:
+            self.queue[i].append(x)
         else:
-            with torch.profiler.record_function(HEADS_RANGE):
-                self.new[i] = self._run(i, qkv)
+            with torch.profiler.record_function(self.range_name):
+                self.new[i] = self._run(i, x)
 
-    def _run(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
-        return self.by_layer[i](qkv.to(self.dtype)).T.float()  # [H_kv, T]
+    def _run(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return self.by_layer[i](x.to(self.dtype)).T.float()  # [H_kv, T]
 
     def take(self, i: int) -> torch.Tensor:
         scores, self.new[i] = self.new[i], None
         return scores
 
     def queued(self) -> int:
-        """Single tokens waiting to be scored (the same count in every layer)."""
-        return len(self.queue[self.heads.scored[-1]])
+        """Single tokens waiting to be scored (the same count in every scored layer)."""
+        return len(self.queue[self.last])
 
-    def flush(self) -> list[torch.Tensor]:
+    def flush(self) -> list[torch.Tensor | None]:
         """Scores `[H_kv, P]` per layer of the P queued tokens, oldest first; empties the queue."""
         out = [self._run(i, torch.cat(q)) if q else None for i, q in enumerate(self.queue)]
         self.queue = [[] for _ in self.queue]
@@ -297,3 +296,16 @@ class HeadScorer:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+class HeadScorer(UnitScorer):
+    """LOCRET's retaining heads on each layer's pre-RoPE q/k/v (forward hooks on the projections)."""
+
+    def __init__(self, model, heads: RetainingHeads):
+        heads.check_fits(model)
+        super().__init__(model, heads, heads.shape["layers"])
+        self.handles = hook_qkv(model, self.take_qkv)
+
+    def take_qkv(self, i: int, qkv: torch.Tensor) -> None:
+        """Layer i's pre-RoPE q/k/v `[T, (H_q + 2 H_kv) d]` (what the hooks, or a C++ decode step, give)."""
+        self.take_input(i, qkv)

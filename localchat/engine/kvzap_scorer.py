@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from localchat.engine import kvzap, weights_check
+from localchat.engine.heads import UnitScorer
 from localchat.engine.layer_kinds import layer_kinds
 from localchat.errors import UserError
 
@@ -100,52 +101,17 @@ def norms(model) -> list[nn.Module | None]:
     return [getattr(layer, "input_layernorm", None) for layer in model.model.layers]
 
 
-class KVzapHooks:
-    """Forward hooks on the scored layers' input norms; after a forward, `take(i)` gives layer i's new scores
-    `[H_kv, T]`. Single tokens (decoding) queue their hidden states and are scored in one batch by `flush()`,
-    as LOCRET's HeadScorer does (the module is per token: the same scores)."""
+class KVzapHooks(UnitScorer):
+    """A KVzap scorer on each scored layer's input-norm output (forward hooks on the norms)."""
+
+    range_name = RANGE
 
     def __init__(self, model, scorer: KVzapScorer):
         scorer.check_fits(model)
-        p = next(model.parameters())
-        self.heads = scorer.to(device=p.device, dtype=p.dtype if p.dtype != torch.float16 else torch.float32)
-        self.heads.eval().requires_grad_(False)
-        self.dtype = next(self.heads.parameters()).dtype
-        n = model.config.num_hidden_layers
-        self.by_layer = [self.heads.head(i) for i in range(n)]
-        self.new: list[torch.Tensor | None] = [None] * n
-        self.queue: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        self.handles = []
+        super().__init__(model, scorer, model.config.num_hidden_layers)
         for i, norm in enumerate(norms(model)):
             if self.by_layer[i] is not None:
                 if norm is None:
                     raise UserError(f"layer {i} of this model has no input_layernorm for the KVzap scorer to read")
-                self.handles.append(norm.register_forward_hook(lambda m, a, out, i=i: self._take(i, out)))
-
-    def _take(self, i: int, hidden: torch.Tensor) -> None:
-        x = hidden.reshape(-1, hidden.shape[-1])
-        if x.shape[0] == 1:
-            self.queue[i].append(x)
-        else:
-            with torch.profiler.record_function(RANGE):
-                self.new[i] = self._run(i, x)
-
-    def _run(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        return self.by_layer[i](x.to(self.dtype)).T.float()  # [H_kv, T]
-
-    def take(self, i: int) -> torch.Tensor:
-        scores, self.new[i] = self.new[i], None
-        return scores
-
-    def queued(self) -> int:
-        return len(self.queue[self.heads.scored[-1]])
-
-    def flush(self) -> list[torch.Tensor | None]:
-        out = [self._run(i, torch.cat(q)) if q else None for i, q in enumerate(self.queue)]
-        self.queue = [[] for _ in self.queue]
-        return out
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+                self.handles.append(norm.register_forward_hook(
+                    lambda m, a, out, i=i: self.take_input(i, out.reshape(-1, out.shape[-1]))))
