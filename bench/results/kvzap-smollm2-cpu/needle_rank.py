@@ -1,34 +1,61 @@
-"""Where do a needle's tokens rank among a document's tokens: KVzip+ labels vs the trained linear scorer."""
-import bisect, sys, torch
-from localchat.engine.engine import Engine
-from localchat.engine.kvzap_scorer import KVzapScorer
+"""Where a needle's tokens rank among its document's tokens: by the KVzip+ label and by a trained KVzap scorer.
+
+    python bench/results/kvzap-smollm2-cpu/needle_rank.py bench/results/kvzap-smollm2-cpu/scorer 1800
+
+For three passkey and three niah_single documents of N tokens (the bench's generators, seeds 1-3, needle at depth
+0.5), laid out as the app lays out a document: "pct" is the needle value's tokens' mean percentile rank per layer and
+KV head (1 = the top unit), "top-share" their share in the top 1,024 units, "corr" the correlation of the scorer's
+output with the label over the whole document.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+
+import torch
+
 from localchat.bench import tasks
 from localchat.documents import Document
+from localchat.engine.engine import Engine
+from localchat.engine.kvzap_scorer import KVzapScorer
 from localchat.render import user_turn
-from localchat.train.kvzap import repeat_layout, kvzip_plus
+from localchat.train.kvzap import REPEAT, kvzip_plus, repeat_layout
 
-e = Engine.load(None)
-scorer = KVzapScorer.load(sys.argv[1]).eval()
-n_tok = int(sys.argv[2]) if len(sys.argv) > 2 else 1800
-for task in ("passkey", "niah_single"):
-    for seed in (1, 2, 3):
-        s = getattr(tasks, task)(e.tokenizer, n_tok, seed, 0.5)
-        doc = Document(path=None, name="document.txt", kind="text", text=s.document, sha256="", n_bytes=0)
-        content = user_turn(s.question, [doc])
-        lay = repeat_layout(e, content)
-        lab = kvzip_plus(e.model, lay, chunk=512)
-        rendered = e.render([{"role": "user", "content": content + "\n\nRepeat the previous context exactly."}, {"role": "assistant", "content": content}], add_generation_prompt=False)
-        enc = e.tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
-        starts = [a for a, _ in enc["offset_mapping"]]
-        c = rendered.find(s.answer, rendered.find("<document"))
-        t0 = bisect.bisect_right(starts, c) - 1
-        t1 = bisect.bisect_left(starts, c + len(s.answer))
-        idx = torch.arange(t0, t1) - lay.text[0]
-        with torch.no_grad():
-            pred = torch.stack([scorer.layers[str(i)](lab.features[i]).T for i in range(30)])  # [L, H, n]
-        def pct(x):  # percentile rank of the needle tokens per layer/head, mean
-            r = x.argsort(-1).argsort(-1).float() / (x.shape[-1] - 1)
-            return float(r[..., idx].mean()), float((r[..., idx] > 1 - 1024 / x.shape[-1]).float().mean())
-        print(task, seed, "needle tokens", t1 - t0, repr(e.tokenizer.decode(lay.ids[t0:t1])),
-              "label pct %.2f top-share %.2f" % pct(lab.scores), "| scorer pct %.2f top-share %.2f" % pct(pred),
-              "| corr %.2f" % float(torch.corrcoef(torch.stack([lab.scores.flatten(), pred.flatten()]))[0, 1]), flush=True)
+
+def rank(x: torch.Tensor, idx: torch.Tensor) -> tuple[float, float]:
+    """(mean percentile rank of the units `idx`, their share in the top 1,024), over layers and KV heads."""
+    r = x.argsort(-1).argsort(-1).float() / (x.shape[-1] - 1)
+    return float(r[..., idx].mean()), float((r[..., idx] > 1 - 1024 / x.shape[-1]).float().mean())
+
+
+def main() -> None:
+    engine = Engine.load(None)
+    scorer = KVzapScorer.load(sys.argv[1]).eval()
+    n_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 1800
+    for task in ("passkey", "niah_single"):
+        for seed in (1, 2, 3):
+            s = getattr(tasks, task)(engine.tokenizer, n_tokens, seed, 0.5)
+            doc = Document(path=None, name="document.txt", kind="text", text=s.document, sha256="", n_bytes=0)
+            content = user_turn(s.question, [doc])
+            layout = repeat_layout(engine, content)
+            lab = kvzip_plus(engine.model, layout, chunk=512)
+            rendered = engine.render([{"role": "user", "content": f"{content}\n\n{REPEAT}"},
+                                      {"role": "assistant", "content": content}], add_generation_prompt=False)
+            enc = engine.tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+            starts = [a for a, _ in enc["offset_mapping"]]
+            c = rendered.find(s.answer, rendered.find("<document"))
+            t0 = bisect.bisect_right(starts, c) - 1
+            t1 = bisect.bisect_left(starts, c + len(s.answer))
+            idx = torch.arange(t0, t1) - layout.text[0]
+            with torch.no_grad():
+                pred = torch.stack([scorer.layers[str(i)](lab.features[i]).T for i in range(len(scorer.layers))])
+            corr = float(torch.corrcoef(torch.stack([lab.scores.flatten(), pred.flatten()]))[0, 1])
+            (lp, lt), (sp, st) = rank(lab.scores, idx), rank(pred, idx)
+            print(f"{task} {seed} needle tokens {t1 - t0} {engine.tokenizer.decode(layout.ids[t0:t1])!r} "
+                  f"label pct {lp:.2f} top-share {lt:.2f} | scorer pct {sp:.2f} top-share {st:.2f} | corr {corr:.2f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
