@@ -10,6 +10,7 @@ from localchat.engine.cache import KVCache
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done, Notice, Token
 from localchat.engine.heads import RetainingHeads
+from localchat.engine.kvzap_scorer import KVzapScorer
 from localchat.engine.policies import POLICIES, make_policy
 from localchat.engine.policies.base import PROTECT
 from localchat.engine.prefill import evict, forward, plan_steps, prefill
@@ -172,7 +173,8 @@ def test_compact_positions_stay_bounded_past_the_window(tiny_tok):
 def test_every_policy_runs_on_a_3k_prompt(tiny_tok, name, positions):
     model = tiny_llama(len(tiny_tok))
     engine = Engine(model, tiny_tok, chunk=256)
-    extra = {"heads": RetainingHeads.random(model, d_r=32)} if name == "locret" else {}
+    extra = {"locret": {"heads": RetainingHeads.random(model, d_r=32)},
+             "kvzap": {"heads": KVzapScorer.random(model, hidden_dim=8)}}.get(name, {})
     policy = make_policy(name, budget=256, local=32, **extra)
     engine.set_policy(policy, positions)
     text = "The quick brown fox jumps over the lazy dog. " * 70

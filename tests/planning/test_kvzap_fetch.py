@@ -396,7 +396,7 @@ def test_the_qwen3_8b_card_matches_the_published_config():
         config["tie_word_embeddings"], config["attention_bias"], config["model_type"],
         config["max_position_embeddings"])
     assert m.Shape.from_config(m.read_config(CONFIGS / "qwen3-8b.json"), name="q").total_params() == 8_190_735_360
-    assert card.policy == {"name": "kvzap", "budget": 4096, "positions": "compact"}
+    assert card.policy == {"name": "kvzap", "budget": 16384, "stabilizers": 2500, "local": 100, "positions": "compact"}
     assert card.kvzap_config() == {"model_type": "kvzap", "input_dim": 4096, "output_dim": 8, "hidden_dim": 512,
                                    "n_modules": 36}
     assert kvzap.parameters(card.kvzap_config()) == 75_663_648

@@ -1,6 +1,7 @@
 """Where a needle's tokens rank among its document's tokens: by the KVzip+ label and by a trained KVzap scorer.
 
-    python bench/results/kvzap-smollm2-cpu/needle_rank.py bench/results/kvzap-smollm2-cpu/scorer 1800
+    python bench/experiments/kvzap_needle_rank.py bench/results/kvzap-smollm2-cpu/scorer --tokens 1800 \
+        > bench/results/kvzap-smollm2-cpu/needle_rank.txt
 
 For three passkey and three niah_single documents of N tokens (the bench's generators, seeds 1-3, needle at depth
 0.5), laid out as the app lays out a document: "pct" is the needle value's tokens' mean percentile rank per layer and
@@ -10,8 +11,8 @@ output with the label over the whole document.
 
 from __future__ import annotations
 
+import argparse
 import bisect
-import sys
 
 import torch
 
@@ -29,10 +30,14 @@ def rank(x: torch.Tensor, idx: torch.Tensor) -> tuple[float, float]:
     return float(r[..., idx].mean()), float((r[..., idx] > 1 - 1024 / x.shape[-1]).float().mean())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="where needles rank by the KVzip+ label and by a KVzap scorer")
+    p.add_argument("scorer", help="a KVzap release folder for the default model")
+    p.add_argument("--tokens", type=int, default=1800, help="document length (default 1800)")
+    args = p.parse_args(argv)
     engine = Engine.load(None)
-    scorer = KVzapScorer.load(sys.argv[1]).eval()
-    n_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 1800
+    scorer = KVzapScorer.load(args.scorer).eval()
+    n_tokens = args.tokens
     for task in ("passkey", "niah_single"):
         for seed in (1, 2, 3):
             s = getattr(tasks, task)(engine.tokenizer, n_tokens, seed, 0.5)
