@@ -14,21 +14,12 @@ import json
 import re
 import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+from hub_helpers import HubHandler, LoopbackHub, git_blob_id, lfs_pointer
 from safetensors.torch import save
 
 LFS = (".safetensors", ".bin")
-
-
-def git_blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def lfs_pointer(data: bytes) -> bytes:
-    return (f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(data).hexdigest()}\n"
-            f"size {len(data)}\n").encode()
 
 
 def release_config(input_dim: int, output_dim: int, n_modules: int, hidden_dim: int | None,
@@ -75,7 +66,7 @@ def release_files(input_dim: int, output_dim: int, n_modules: int, hidden_dim: i
             "model.safetensors": save(tensors, metadata={"format": "pt"})}
 
 
-class Hub:
+class Hub(LoopbackHub):
     """Repositories {repo: (commit, {file: bytes})}; *.safetensors and *.bin are in Git LFS, the rest plain git."""
 
     def __init__(self, repos: dict[str, tuple[str, dict[str, bytes]]]):
@@ -87,20 +78,8 @@ class Hub:
         self.flip: set[str] = set()  # files sent with one byte changed (the hub's metadata stays right)
         self.etag: dict[str, str] = {}  # file -> the ETag sent in place of the right one (a plain file)
         self.lock = threading.Lock()
-        self.servers = [self._serve(), self._serve()]  # the hub, and the CDN on another origin
-        self.url, self.cdn_url = (f"http://127.0.0.1:{s.server_address[1]}" for s in self.servers)
+        self.serve(Handler)  # the hub, and the CDN on another origin
 
-    def _serve(self) -> ThreadingHTTPServer:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
-        server.hub = self
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-        return server
-
-    def close(self) -> None:
-        for server in self.servers:
-            server.shutdown()
-            server.server_close()
 
     def body(self, name: str, data: bytes) -> bytes:
         if name in self.flip:
@@ -109,25 +88,7 @@ class Hub:
         return data
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self.route(body=False)
-
-    def do_GET(self) -> None:
-        self.route(body=True)
-
-    def fail(self, code: int, error: str, message: str) -> None:
-        self.send_response(code)
-        self.send_header("X-Error-Code", error)
-        self.send_header("X-Error-Message", message)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
+class Handler(HubHandler):
     def send(self, hub: Hub, name: str, data: bytes, body: bool) -> None:
         if not body:
             return

@@ -17,11 +17,11 @@ import threading
 import urllib.parse
 from collections import OrderedDict
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from hub_helpers import HubHandler, LoopbackHub, git_blob_id, lfs_pointer
 from huggingface_hub import constants
 
 from localchat.engine import cards
@@ -47,16 +47,7 @@ GITATTRIBUTES = b"*.bin filter=lfs diff=lfs merge=lfs -text\n*.safetensors filte
 # --- the loopback hub -----------------------------------------------------------------------------------------
 
 
-def git_blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def lfs_pointer(data: bytes) -> bytes:
-    return (f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(data).hexdigest()}\n"
-            f"size {len(data)}\n").encode()
-
-
-class Hub:
+class Hub(LoopbackHub):
     """Repositories {repo: (commit, {file: bytes})}; files other than .gitattributes are in Git LFS."""
 
     def __init__(self, repos: dict[str, tuple[str, dict[str, bytes]]]):
@@ -69,41 +60,11 @@ class Hub:
         self.flip = False  # the CDN sends one byte changed
         self.short = 0  # the CDN sends this many bytes fewer, with a Content-Length that says so
         self.lock = threading.Lock()
-        self.servers = [self._serve(), self._serve()]  # the hub, and the CDN on another origin (another port)
-        self.url, self.cdn_url = (f"http://127.0.0.1:{s.server_address[1]}" for s in self.servers)
-
-    def _serve(self) -> ThreadingHTTPServer:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
-        server.hub = self
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-        return server
-
-    def close(self) -> None:
-        for server in self.servers:
-            server.shutdown()
-            server.server_close()
+        self.serve(Handler)  # the hub, and the CDN on another origin (another port)
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
 
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self.route(body=False)
-
-    def do_GET(self) -> None:
-        self.route(body=True)
-
-    def fail(self, code: int, error: str, message: str) -> None:
-        self.send_response(code)
-        self.send_header("X-Error-Code", error)
-        self.send_header("X-Error-Message", message)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
+class Handler(HubHandler):
     def route(self, body: bool) -> None:
         path = urllib.parse.unquote(self.path.split("?")[0])
         hub: Hub = self.server.hub
