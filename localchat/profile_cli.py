@@ -132,8 +132,7 @@ def heads_note(spec: RunSpec, card) -> str | None:
 
 def kvzap_note(spec: RunSpec, card) -> str:
     from localchat.engine import kvzap
-    from localchat.planning.heads_fetch import cached_kvzap
-    from localchat.planning.resolve import heads_dir_for, kvzap_config
+    from localchat.planning.resolve import heads_dir_for, kvzap_config, shipped_kvzap_dir
 
     p = spec.policy
     if p.heads == "random":
@@ -143,9 +142,11 @@ def kvzap_note(spec: RunSpec, card) -> str:
     layers = Shape.from_card(card).global_layers if card is not None and card.shape.get("layers") else None
     size = (f"{kvzap.variant(config)}, {kvzap.parameters(config, layers) / 1e6:,.1f}M parameters"
             if config.get("n_modules") else "size unknown")
-    if p.heads or (directory is not None and card is not None and not card.kvzap_release):
+    if directory is None and (card is None or not card.kvzap_release):
+        return "scorer: KVzap, none at hand for this model: pass --heads DIR (a KVzap release folder)"
+    if p.heads or shipped_kvzap_dir(card):
         return f"scorer: KVzap ({size}) from {directory}"
-    where = (f"fetched into {cached_kvzap(card)}" if cached_kvzap(card) else
+    where = (f"fetched into {directory}" if directory else
              f"not fetched yet: `localchat heads fetch {card.id}` downloads it once (or the first run does)")
     return f"scorer: KVzap ({size}), the release {card.kvzap_release}, {where}"
 
