@@ -20,6 +20,7 @@
 #endif
 
 #include "cpu_pool.h"  // parallel(): the decode loops' thread pool
+#include "cpu_prefill.h"  // prefill::: a chunk's int8 products
 
 namespace {
 
@@ -734,6 +735,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_row", &packed_row, "one float32 row times packed int8 / int4 weights");
   m.def("set_pool", &set_pool, "the decode loops on cpu_pool.h's pool, spinning up to this many us before sleeping (0: OpenMP)");
   m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
+  m.def("int4_to_int8_t", &prefill::int4_to_int8_t, "packed int4 weight as int8 codes per output row, [K, rows]");
+  m.def("quantize_rows", &prefill::quantize_rows, "float32 rows as int8 codes and one scale per row");
+  m.def("scale_sums", &prefill::scale_sums, "int32 sums times row and column scales (+ bias), float32");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32");
   m.def("attend_token", &attend_token, "RoPE, cache write and attention of one decoded token for one layer");

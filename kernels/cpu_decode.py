@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-HEADERS = [Path(__file__).with_name("cpu_pool.h")]  # included by SOURCE: part of the build's key
+HEADERS = [Path(__file__).with_name(h) for h in ("cpu_pool.h", "cpu_prefill.h")]  # included by SOURCE: in the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's threads only with it
 _why: list[str] = []
 

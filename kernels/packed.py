@@ -12,7 +12,9 @@ One fp32 row (a decoded token) goes through `packed_row` of the C++ decode kerne
 quantized to int8 per group of 32 inputs (`quantize_row`, as llama.cpp's Q8_0 activations: integer multiply-adds
 in place of widening every code to fp32); torch's int8 kernel elsewhere), else through torch's kernels on a bf16
 copy of the row. Those are matrix-vector kernels: their time grows with the rows, and at a prefill
-chunk of 512 rows they are no faster than fp32. A step of more than VECTOR_ROWS[bits] rows dequantizes the weight
+chunk of 512 rows they are no faster than fp32. A step of more than VECTOR_ROWS[bits] rows, where the CPU has VNNI's
+integer multiply-adds, multiplies the rows as int8 by the weight as int8 (`chunk_products`, kernels/cpu_prefill.h:
+one int8 x int8 -> int32 product through torch's `_int_mm`, 4.3x fp32's products here). Elsewhere it dequantizes the weight
 to bf16 and runs one bf16 matmul instead (where bf16 products are native, AVX-512; elsewhere in the input's
 dtype, as torch emulates bf16) (for 512 x 576 x 1536 on one core: fp32 10.2 ms, int8 5.1 ms, int4 7.3 ms, of
 which dequantizing 0.3 / 1.4 ms); the thresholds are where the two ways cost the same on a 2-core EPYC with
@@ -89,6 +91,8 @@ class PackedLinear(nn.Module):
                 y = y + self.bias.float()
             return y.reshape(*shape[:-1], self.out_features)
         rows = x.numel() // self.in_features
+        if rows > VECTOR_ROWS[self.bits] and native is not None and chunk_products() == "int8":
+            return self._int8_product(x.reshape(-1, self.in_features), native).reshape(*shape[:-1], self.out_features)
         if rows <= VECTOR_ROWS[self.bits]:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             if self.bits == 8:
@@ -109,14 +113,34 @@ class PackedLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _int8_product(self, x: torch.Tensor, native) -> torch.Tensor:
+        """`x` fp32 `[M, K]` times the weight as int8 x int8 -> int32 sums (kernels/cpu_prefill.h), fp32 `[M, out]`."""
+        q, row_scale = native.quantize_rows(x.contiguous())
+        if self.bits == 8:
+            weight, col_scale = self.codes.t(), self._col_scale(native)
+        else:
+            col_scale = self._col_scale(native)
+            weight = _buffer("int8", self.in_features * self.codes.shape[0], torch.int8).view(self.in_features, -1)
+            native.int4_to_int8_t(self.codes, self.scales, self._inv_col_scale, GROUP, self.block, weight)
+        bias = self.bias.float() if self.bias is not None else _NO_BIAS
+        return native.scale_sums(torch._int_mm(q, weight), row_scale, col_scale, bias, self.out_features)
+
+    def _col_scale(self, native) -> torch.Tensor:
+        """Per output row, the step of its int8 codes (int8: the layer's own scales; int4: max |w| / 127)."""
+        scale = getattr(self, "_int8_scale", None)
+        if scale is None:
+            if self.bits == 8:
+                scale = self.scales.float()
+            else:
+                scale = self._dequantized_t(native).abs().amax(dim=0) / 127
+                self._inv_col_scale = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+            self._int8_scale = scale
+        return scale
+
     def _dequantized_t(self, native) -> torch.Tensor:
         """The int4 weight as fp32 `[K, rows]` in this thread's scratch buffer (valid until the next call)."""
         rows = self.codes.shape[0]
-        size = self.in_features * rows
-        buffer = getattr(_scratch, "buffer", None)
-        if buffer is None or buffer.numel() < size:
-            buffer = _scratch.buffer = torch.empty(size)
-        wt = buffer[:size].view(self.in_features, rows)
+        wt = _buffer("float", self.in_features * rows, torch.float32).view(self.in_features, rows)
         native.dequant_int4_t(self.codes, self.scales, GROUP, self.block, wt)
         return wt
 
@@ -137,6 +161,48 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+def _buffer(name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reused scratch buffer `name`, `size` elements of `dtype` (grown as needed)."""
+    buffer = getattr(_scratch, name, None)
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=dtype)
+        setattr(_scratch, name, buffer)
+    return buffer[:size]
+
+
+_NO_BIAS = torch.empty(0)
+_CHUNK_PRODUCTS: list[str] = []  # a setting made by set_chunk_products, else the CPU's default
+
+
+def chunk_products() -> str:
+    """How a chunk of more than VECTOR_ROWS rows multiplies packed weights: "int8" (rows and weight as int8,
+    integer sums: kernels/cpu_prefill.h) or "float" (the weight dequantized: bf16 on AVX-512, else fp32).
+    The default is int8 where the CPU has VNNI's integer multiply-adds (bench/results/cpu-prefill/)."""
+    if _CHUNK_PRODUCTS:
+        return _CHUNK_PRODUCTS[-1]
+    return "int8" if _cpu_has_vnni() else "float"
+
+
+def set_chunk_products(kind: str | None) -> None:
+    """Choose chunk_products() ("int8" or "float"); None goes back to the CPU's default."""
+    if kind not in (None, *CHUNK_PRODUCTS):
+        raise ValueError(f"chunk products are one of {', '.join(CHUNK_PRODUCTS)} (got {kind!r})")
+    _CHUNK_PRODUCTS[:] = [kind] if kind else []
+
+
+CHUNK_PRODUCTS = ("int8", "float")
+
+
+@functools.cache
+def _cpu_has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 def row_kernels():

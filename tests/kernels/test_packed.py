@@ -13,6 +13,16 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.fixture
+def float_chunks():
+    """A chunk's products with the dequantized weight (not int8 sums), whatever this CPU's default."""
+    from localchat.kernels import packed
+
+    packed.set_chunk_products("float")
+    yield
+    packed.set_chunk_products(None)
+
+
 def test_the_int4_layout_read_back_is_torchs_own():
     """unpack_int4 reads torch's packed int4 codes back exactly (else int4 would dequantize wrong weights)."""
     assert layout_ok()
@@ -34,7 +44,7 @@ def test_both_layouts_read_back(block):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("out_features,bias", [(192, False), (40, True)])  # 40 rows: int4 pads to a block of 64
-def test_both_paths_compute_the_dequantized_weight(bits, out_features, bias):
+def test_both_paths_compute_the_dequantized_weight(bits, out_features, bias, float_chunks):
     torch.manual_seed(0)
     linear = nn.Linear(96, out_features, bias=bias)
     packed = PackedLinear(linear, bits)
@@ -65,7 +75,7 @@ def test_int4_needs_whole_groups_else_int8():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_chunk_is_multiplied_in_bf16_only_where_bf16_products_are_native(bits, monkeypatch):
+def test_a_chunk_is_multiplied_in_bf16_only_where_bf16_products_are_native(bits, monkeypatch, float_chunks):
     """More rows than VECTOR_ROWS: one product with the dequantized weight, in bf16 on AVX-512 and in the input's
     dtype elsewhere (torch emulates bf16 there, ~8x slower than fp32)."""
     from localchat.kernels import packed
@@ -103,3 +113,70 @@ def test_the_cpp_dequantization_writes_the_transposed_fp32_weight(out_features, 
     wt = torch.full((inputs, layer.codes.shape[0]), float("nan"))
     native.dequant_int4_t(layer.codes, layer.scales, GROUP, layer.block, wt)
     torch.testing.assert_close(wt.t(), exact_int4(layer), rtol=0, atol=1e-6)
+
+
+def _native():
+    from localchat.kernels import cpu_decode
+
+    native = cpu_decode.kernels()
+    assert native is not None, cpu_decode.reason()
+    return native
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("out_features,bias", [(192, False), (40, True)])
+def test_int8_chunk_products_are_integer_sums_of_the_rows_and_weight_as_int8(bits, out_features, bias):
+    """A chunk's int8 products: each row as round(x * 127 / max|x|), each output row of the weight as
+    round(w * 127 / max|w|) (int4: w its exact (code - 8) * scale + zero), exact integer sums, both scales."""
+    from localchat.kernels import packed
+
+    _native()
+    torch.manual_seed(1)
+    layer = PackedLinear(nn.Linear(96, out_features, bias=bias), bits)
+    x = torch.randn(VECTOR_ROWS[bits] + 7, 96)
+    x[3] = 0  # a zero row: scale 0, codes 0, output the bias
+    packed.set_chunk_products("int8")
+    try:
+        y = layer(x)
+    finally:
+        packed.set_chunk_products(None)
+    w = (exact_int4(layer) if bits == 4 else layer.codes.float() * layer.scales.float()[:, None])[:out_features]
+    sw = w.abs().amax(dim=1) / 127
+    wq = torch.round(w / sw[:, None]).clamp(-127, 127)
+    sx = x.abs().amax(dim=1) / 127
+    xq = torch.round(x / sx.clamp(min=1e-30)[:, None])
+    want = (xq.double() @ wq.double().t()) * sx.double()[:, None] * sw.double()[None, :]
+    want = want.float() + (layer.bias if bias else 0)
+    assert y.shape == (x.shape[0], out_features) and y.dtype == torch.float32
+    torch.testing.assert_close(y, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())  # a code may round apart
+    assert torch.equal(y[3], layer.bias if bias else torch.zeros(out_features))
+    fp32 = nn.functional.linear(x, w, layer.bias)
+    assert 1e-4 < _rel(y, fp32) < 0.02  # the rows' and weight's int8 rounding, and no more
+
+
+def test_int4_to_int8_codes_round_the_exact_weight():
+    native = _native()
+    torch.manual_seed(2)
+    layer = PackedLinear(nn.Linear(576, 1536), 4)
+    w = exact_int4(layer)
+    scale = w.abs().amax(dim=1) / 127
+    out = torch.zeros(576, layer.codes.shape[0], dtype=torch.int8)
+    native.int4_to_int8_t(layer.codes, layer.scales, 1 / scale, GROUP, layer.block, out)
+    diff = (out.t().float() - torch.round(w / scale[:, None])).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3  # float rounding at a .5 tie at most
+    assert out.abs().max() == 127
+
+
+def test_chunk_products_default_follows_the_cpus_integer_multiply_adds(monkeypatch):
+    from localchat.kernels import packed
+
+    for vnni, kind in ((True, "int8"), (False, "float")):
+        monkeypatch.setattr(packed, "_cpu_has_vnni", lambda vnni=vnni: vnni)
+        assert packed.chunk_products() == kind
+    packed.set_chunk_products("float")
+    monkeypatch.setattr(packed, "_cpu_has_vnni", lambda: True)
+    assert packed.chunk_products() == "float"
+    packed.set_chunk_products(None)
+    assert packed.chunk_products() == "int8"
+    with pytest.raises(ValueError, match="int8, float"):
+        packed.set_chunk_products("int4")
