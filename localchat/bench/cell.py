@@ -13,17 +13,31 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from localchat.bench import lanes, machine
-from localchat.bench.tasks import OPENING, Sample, as_document, depth_for, make_sample, prompt_messages, score
+from localchat.bench.tasks import (
+    OPENING,
+    PASSKEY_DEPTHS,
+    Sample,
+    as_document,
+    depth_for,
+    make_sample,
+    prompt_messages,
+    score,
+    score_turn,
+)
 from localchat.engine.events import Done, Error
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
+
+if TYPE_CHECKING:
+    from localchat.session import Session
 
 FOLLOWUP_TOKENS = 8  # answer length of the earlier multiturn turns (the model's own answers are kept)
 KEY_FIELDS = ("task", "length", "policy", "budget", "n", "seed", "model_spec", "heads", "chunk", "positions",
@@ -226,56 +240,96 @@ def _timing(turn: int, done: Done) -> dict:
 NEEDLE_SPAN = 20  # tokens from the asked needle's offset counted by `needle_kept` (its sentence)
 
 
-def _conversation(engine, sample: Sample, max_new: int) -> tuple[Done | str, list[dict], int, float | None]:
-    """multiturn the way the app runs it: one Session, each turn reads only its new tokens and the
-    model's own (short) answers stay in the compressed cache. Returns the last Done (or the error),
-    every turn's timing, the tokens the conversation put through the model, and the share of the asked
-    needle's units still cached at the end (over layers and KV heads)."""
+def _turns(engine, sample: Sample, max_new: int) -> Iterator[tuple[Session, int, Done | str]]:
+    """The sample's user turns the way the app runs a chat: one Session, each turn reads only its new tokens
+    and the model's own answers stay in the compressed cache. The first turn attaches the document (multiturn:
+    with OPENING; passkeys: with the first question). Every turn may answer `max_new` tokens but multiturn's
+    unrelated ones (FOLLOWUP_TOKENS). Yields (session, turn from 1, the turn's Done or error); stops at an error."""
     from localchat.session import Session
 
     session = Session(engine)
     users = [m["content"] for m in sample.messages if m["role"] == "user"]
-    timings: list[dict] = []
-    done: Done | str = "no answer"
     for turn, content in enumerate(users, start=1):
-        last = turn == len(users)
-        question, docs = (OPENING, [as_document(sample.document)]) if turn == 1 else (content, [])
-        settings = GenerationSettings(max_new_tokens=max_new if last else FOLLOWUP_TOKENS)
-        done = "no answer"
+        first = OPENING if sample.task == "multiturn" else sample.question
+        question, docs = (first, [as_document(sample.document)]) if turn == 1 else (content, [])
+        short = sample.task == "multiturn" and turn < len(users)
+        settings = GenerationSettings(max_new_tokens=FOLLOWUP_TOKENS if short else max_new)
+        done: Done | str = "no answer"
         for event in session.send(question, docs, settings):
             if isinstance(event, Done):
                 done = event
             elif isinstance(event, Error):
                 done = event.message
+        yield session, turn, done
+        if isinstance(done, str):
+            return
+
+
+def _needle_kept(session: Session, needle_token: int) -> float:
+    """The share of the needle's units (its first NEEDLE_SPAN tokens) still cached, over layers and KV heads."""
+    doc = session.attachments[0]
+    at = doc.start + needle_token
+    return round(session.kept_share(at, min(at + NEEDLE_SPAN, doc.end)), 4)
+
+
+def _conversation(engine, sample: Sample, max_new: int) -> tuple[Done | str, list[dict], int, float | None]:
+    """multiturn: the last Done (or the error), every turn's timing, the tokens the conversation put through
+    the model, and the share of the asked needle's units still cached at the end."""
+    timings: list[dict] = []
+    for session, turn, done in _turns(engine, sample, max_new):
         if isinstance(done, str):
             return done, timings, session.fed, None
         timings.append(_timing(turn, done))
-    doc = session.attachments[0]
-    at = doc.start + sample.needle_token
-    return done, timings, session.fed, round(session.kept_share(at, min(at + NEEDLE_SPAN, doc.end)), 4)
+    return done, timings, session.fed, _needle_kept(session, sample.needle_token)
+
+
+def _passkeys(engine, sample: Sample, max_new: int) -> tuple[Done | str, list[dict], int]:
+    """passkeys: the first (reading) turn's Done (or the error), one entry per key asked (its depth, answer,
+    the turn's output, whether it holds its key, its needle's units still cached after the turn, the turn's
+    timing), and the tokens the conversation put through the model."""
+    keys: list[dict] = []
+    first: Done | str = "no answer"
+    for session, turn, done in _turns(engine, sample, max_new):
+        if isinstance(done, str):
+            return done, keys, session.fed
+        first = done if turn == 1 else first
+        i = turn - 1
+        keys.append({"depth": PASSKEY_DEPTHS[i], "answer": sample.answers[i], "output": done.text,
+                     "found": score_turn(sample, i, done.text),
+                     "needle_kept": _needle_kept(session, sample.needle_tokens[i]), **_timing(turn, done)})
+    return first, keys, session.fed
 
 
 def run_example(engine, sample: Sample, max_new: int) -> dict:
-    """Answer one sample; multiturn runs as a conversation in one Session, every turn timed."""
+    """Answer one sample; multiturn and passkeys run as a conversation in one Session, every turn timed.
+    passkeys: `score` is the share of keys found, `keys` has each turn's answer, and the timings are the
+    first turn's (the one that reads the document)."""
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     followups: list[dict] = []
-    conversation = needle_kept = kept = None
-    if sample.task == "multiturn":
+    conversation = needle_kept = kept = keys = None
+    if sample.task == "passkeys":
+        done, keys, conversation = _passkeys(engine, sample, max_new)
+    elif sample.task == "multiturn":
         done, followups, conversation, needle_kept = _conversation(engine, sample, max_new)
     else:
         done, kept = _complete(engine, prompt_messages(sample), max_new, sample.answers)
     if isinstance(done, str):
-        return _failed(done)
-    value = float(score(sample, done.text))
+        return {**_failed(done), **({"keys": keys} if keys is not None else {})}
+    if keys is None:
+        value, output = float(score(sample, done.text)), done.text
+    else:
+        value, output = sum(k["found"] for k in keys) / len(sample.answers), "\n".join(k["output"] for k in keys)
+        needle_kept = round(sum(k["needle_kept"] for k in keys) / len(keys), 4)
     return {
-        "output": done.text, "score": value, "correct": value >= 1.0, "error": None,
+        "output": output, "score": value, "correct": value >= 1.0, "error": None,
         "prompt_tokens": done.prompt_tokens, "new_tokens": done.new_tokens, "stop_reason": done.stop_reason,
         "prefill_s": round(done.prefill_s, 4), "decode_s": round(done.decode_s, 4), "ttft_s": round(done.ttft_s, 4),
         "prefill_tps": round(done.prefill_tps, 2), "decode_tps": round(done.decode_tps, 2),
         "kv_tokens": done.kv_tokens, "kv_bytes": done.kv_bytes, "kv_full_bytes": done.kv_full_bytes,
         "compression": round(done.compression, 3), "followups": followups or None,
         "conversation_tokens": conversation, "needle_kept": needle_kept, "answer_kept": kept,
+        **({"keys": keys} if keys is not None else {}),
     }
 
 

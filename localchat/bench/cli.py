@@ -48,7 +48,7 @@ def add_parser(subparsers) -> None:
                     "OUT/results.jsonl (resumable).",
         epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("--tasks", default="passkey", help="comma-separated tasks (default passkey)")
-    bench.add_argument("--lengths", default="4096", help="document lengths in tokens, e.g. 4096,8k,32k")
+    bench.add_argument("--lengths", default="4096", help="document lengths in tokens, e.g. 4096,8k,32k (passkeys: up to 1m)")
     bench.add_argument("--policies", default="full,locret", help="comma-separated policies (default full,locret)")
     bench.add_argument("--budgets", default="1024", help="budgets of the evicting policies (default 1024)")
     bench.add_argument("-n", type=int, default=5, help="examples per cell (default 5)")
@@ -166,12 +166,13 @@ def parse_list(text: str, what: str) -> list[str]:
 
 
 def parse_length(text: str) -> int:
-    """`4096`, `4k` or `4K` (x1024)."""
+    """`4096`, `4k` or `4K` (x1024), `1m` or `1M` (x1024 x 1024)."""
     t = text.strip().lower()
+    scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
     try:
-        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+        return int(t[:-1] if scale > 1 else t) * scale
     except ValueError:
-        raise UserError(f"bad length {text!r}; give token counts like 4096 or 4k") from None
+        raise UserError(f"bad length {text!r}; give token counts like 4096, 4k or 1m") from None
 
 
 def _ints(text: str, what: str) -> list[int]:

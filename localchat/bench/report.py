@@ -1,6 +1,7 @@
 """`localchat bench report DIR`: DIR/results.jsonl -> DIR/report.md and PNG plots.
 
-Accuracy is the mean score over the examples of a cell (for common_words the mean recall); rows with
+Accuracy is the mean score over the examples of a cell (for common_words the mean recall, for passkeys the
+mean share of the five keys found; its keys also get a table by depth); rows with
 an error (e.g. a prompt past the model's window) are counted apart and left out of every mean. Plots
 need matplotlib (the `plot` extra); without it only report.md is written, with a one-line notice.
 """
@@ -138,13 +139,27 @@ def side_by_side(rows: list[dict]) -> list[str]:
     return lines
 
 
+def keys_table(rows: list[dict]) -> list[str]:
+    """passkeys: the share of the keys found at each depth per cell, with N; empty when no row has `keys`."""
+    keyed = [r for r in _ok(rows) if r.get("keys")]
+    if not keyed:
+        return []
+    depths = sorted({k["depth"] for r in keyed for k in r["keys"]})
+    body = []
+    for (task, policy, budget, length), group in _group(keyed, "task", "policy", "budget", "length").items():
+        found = [[k["found"] for r in group for k in r["keys"] if k["depth"] == d] for d in depths]
+        body.append([task, policy, _budget(budget), length, len(group),
+                     *(f"{mean(f):.2f}" if f else "" for f in found)])
+    return _table(["task", "policy", "budget", "length", "N", *(f"depth {d:g}" for d in depths)], body)
+
+
 def _kept(row: dict) -> float | None:
     value = row.get("answer_kept")
     return row.get("needle_kept") if value is None else value
 
 
 def kept_table(rows: list[dict]) -> list[str]:
-    """Mean share of the answer's tokens (multiturn: the needle's) still cached after answering, over
+    """Mean share of the answer's tokens (multiturn, passkeys: the needle's) still cached after answering, over
     layers and KV heads, with how many rows have it; empty when no row records it."""
     kept = [r for r in _ok(rows) if _kept(r) is not None]
     if not kept:
@@ -258,12 +273,15 @@ def write_report(directory: Path, say: Callable[[str], None] = lambda s: print(s
           "## Side by side (mean score (N) per task at one length and budget, best mean first)", "",
           *side_by_side(rows),
           "## Accuracy (mean score, N examples per cell)", "", *accuracy_table(rows), "",
+          *_section("## Pass keys by depth (share of the keys found, each asked in its own turn of one conversation)",
+                    keys_table(rows)),
           "## Speed (medians over the cell's examples: a run slowed for a while moves them little)", "", *speed_table(rows), "",
           "## Memory (KV bytes kept vs a full cache; peak memory is the cell's largest)", "", *memory_table(rows), ""]
     kept = kept_table(rows)
     if kept:
         md += ["## Answer kept (share of the answer's tokens in the document still cached after answering, "
-               "over layers and KV heads; multiturn: the needle's first 20 tokens)", "", *kept, ""]
+               "over layers and KV heads; multiturn: the needle's first 20 tokens; passkeys: their mean over the "
+               "five needles, each after its turn)", "", *kept, ""]
     if notice:
         md += [notice, ""]
         say(notice)
@@ -272,6 +290,10 @@ def write_report(directory: Path, say: Callable[[str], None] = lambda s: print(s
     path = directory / "report.md"
     path.write_text("\n".join(md), encoding="utf-8")
     return path
+
+
+def _section(title: str, table: list[str]) -> list[str]:
+    return [title, "", *table, ""] if table else []
 
 
 def _plots(rows: list[dict], directory: Path) -> tuple[list[Path], str | None]:

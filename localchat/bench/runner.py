@@ -30,6 +30,7 @@ from localchat.errors import UserError
 
 RESULTS = "results.jsonl"
 MAX_LENGTH = 128 * 1024
+MAX_LENGTHS = {"passkeys": 1024 * 1024}  # tasks whose repeated filler reaches further (a 1M document, read once)
 MIN_LENGTH = 64
 
 
@@ -94,9 +95,11 @@ def check(config: BenchConfig) -> None:
     pick("policy", config.policies, POLICIES)
     if not config.lengths:
         raise UserError("no length given")
-    for length in config.lengths:
-        if not MIN_LENGTH <= length <= MAX_LENGTH:
-            raise UserError(f"length {length} is out of range; use {MIN_LENGTH} to {MAX_LENGTH} tokens")
+    for task, length in itertools.product(config.tasks, config.lengths):
+        top = MAX_LENGTHS.get(task, MAX_LENGTH)
+        if not MIN_LENGTH <= length <= top:
+            raise UserError(f"length {length} is out of range{'' if top == MAX_LENGTH else f' for {task}'}; "
+                            f"use {MIN_LENGTH} to {top} tokens")
     _applies(config.sparse_prefill, "prefill_ratio", "--sparse-prefill", config.policies)
     if config.sparse_prefill is not None and config.sparse_prefill <= 0:
         raise UserError(f"--sparse-prefill must be above 0 (the paper's R = 2), not {config.sparse_prefill:g}")

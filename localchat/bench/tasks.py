@@ -11,6 +11,10 @@ for example i of n (0.5 when n = 1), so depths spread evenly from the start to t
 
 Tasks and scoring rules (`score(sample, output)`; needle numbers match only as whole digit runs):
 - passkey: a 5-digit key in repetitive filler. Correct when the key appears in the output.
+- passkeys: 5 labelled 5-digit keys in the passkey filler at fixed depths (PASSKEY_DEPTHS), read once and
+  asked one per user turn of one conversation. Each turn is scored against its own key (a whole digit run,
+  `score_turn`); the row's score is the share of keys found. `score` on one output: the share of the keys
+  it holds.
 - niah_single: "One of the special magic numbers for KEY is: N." in natural text (7-digit N).
   Correct when N appears.
 - niah_multikey: the asked needle plus 3 distractor needles with other keys and numbers (at seeded
@@ -92,7 +96,7 @@ CHAT_TURNS = (
     ("What is the first month of the year?", "January."),
 )
 # Longest answer each task needs (greedy decoding stops earlier at the end token).
-ANSWER_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64,
+ANSWER_TOKENS = {"passkey": 16, "passkeys": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64,
                  "variable_tracking": 48, "common_words": 96, "doc_qa": 32, "multiturn": 24,
                  "docs_qa": 64}  # docs_qa: SmolLM2 restates the question before a value of up to 19 digits
 
@@ -132,6 +136,78 @@ def passkey(tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> 
         answer=key, n_tokens=count(document), needle_token=count(before), depth=depth,
         answers=(key,), needle_tokens=(count(before),),
     )
+
+
+PASSKEY_LABELS = ("red box", "blue door", "green lamp", "yellow cup", "white car")
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+SMALL_GAP = 3  # fillers per gap in the copy whose tokens are counted
+
+
+def passkeys(tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> Sample:
+    """Five 5-digit pass keys, one per label of PASSKEY_LABELS, in the passkey filler at PASSKEY_DEPTHS (of the
+    filler before each); `depth` is ignored, every sample holds all five. `messages`: the document with the first
+    question, then one user turn per other key, in depth order (with short reference answers between them);
+    `question` is the first question, `answers` and `needle_tokens` follow depth order.
+
+    The filler repeats, so a 1M-token document is never tokenized whole: tokens are counted on a copy with at
+    most SMALL_GAP fillers per gap, plus the filler's own count for each filler left out."""
+    rng = random.Random(seed)
+    keys = _distinct(rng, lambda r: str(r.randint(10000, 99999)), len(PASSKEY_LABELS))
+    needles = [f"The pass key of the {label} is {key}. Remember it. {key} is the pass key of the {label}. "
+               for label, key in zip(PASSKEY_LABELS, keys)]
+    per_filler = _count(tokenizer, PASSKEY_FILLER * 4) - _count(tokenizer, PASSKEY_FILLER * 3)
+    n_fill = (n_tokens - sum(_count(tokenizer, n) for n in needles)) // per_filler
+    for _ in range(4):  # the count grows by per_filler a filler once every gap holds SMALL_GAP: one step lands
+        if n_fill < 1:
+            raise ValueError(f"{n_tokens} tokens cannot hold {len(needles)} pass keys")
+        ats = [round(n_fill * d) for d in PASSKEY_DEPTHS]
+        gaps = [b - a for a, b in zip([0, *ats], [*ats, n_fill])]
+        total, offsets = _filler_tokens(tokenizer, gaps, needles, per_filler, "")
+        if 0 <= n_tokens - total < per_filler:
+            break
+        n_fill += (n_tokens - total) // per_filler
+    tail = ""
+    sentences = re.findall(r".+?\. ", PASSKEY_FILLER)
+    for j in range(len(sentences) - 1, 0, -1):  # top up with the filler's first sentences
+        more = _filler_tokens(tokenizer, gaps, needles, per_filler, "".join(sentences[:j]))
+        if more[0] <= n_tokens:
+            (total, offsets), tail = more, "".join(sentences[:j])
+            break
+    if total > n_tokens:
+        raise ValueError(f"{n_tokens} tokens cannot hold {len(needles)} pass keys")
+    document = _interleave(gaps, needles, tail)[0]
+    questions = [f"What is the pass key of the {label}? Answer with the number only." for label in PASSKEY_LABELS]
+    messages = [{"role": "user", "content": user_message(questions[0], document)}]
+    for label, key, question in zip(PASSKEY_LABELS, keys, questions[1:]):
+        messages += [{"role": "assistant", "content": f"The pass key of the {label} is {key}."},
+                     {"role": "user", "content": question}]
+    return Sample(task="passkeys", document=document, question=questions[0], answer=", ".join(keys),
+                  n_tokens=total, needle_token=offsets[0], depth=PASSKEY_DEPTHS[0], answers=tuple(keys),
+                  needle_tokens=tuple(offsets), messages=tuple(messages))
+
+
+def _interleave(gaps: list[int], needles: list[str], tail: str) -> tuple[str, list[int]]:
+    """gaps[0] fillers, needles[0], gaps[1] fillers, ..., the last gap's fillers, `tail` (no space at the end,
+    as the app lays a document out); the text and each needle's character offset."""
+    parts, starts, length = [], [], 0
+    for i, gap in enumerate(gaps):
+        parts.append(PASSKEY_FILLER * gap)
+        length += len(parts[-1])
+        if i < len(needles):
+            starts.append(length)
+            parts.append(needles[i])
+            length += len(needles[i])
+    return ("".join(parts) + tail).rstrip(), starts
+
+
+def _filler_tokens(tokenizer, gaps: list[int], needles: list[str], per_filler: int,
+                   tail: str) -> tuple[int, list[int]]:
+    """(token count, each needle's token offset) of `_interleave(gaps, needles, tail)`, read from a copy with at
+    most SMALL_GAP fillers per gap: each filler left out adds `per_filler` tokens."""
+    small = [min(g, SMALL_GAP) for g in gaps]
+    total, offsets = _token_offsets(tokenizer, *_interleave(small, needles, tail))
+    extra = [per_filler * (g - s) for g, s in zip(gaps, small)]
+    return total + sum(extra), [o + sum(extra[: i + 1]) for i, o in enumerate(offsets)]
 
 
 # --- natural-text haystacks ------------------------------------------------------------------------
@@ -551,6 +627,16 @@ def score_passkey(sample: Sample, output: str) -> bool:
     return sample.answer in output
 
 
+def score_keys(sample: Sample, output: str) -> float:
+    """passkeys on one output: the share of the keys it holds (whole digit runs)."""
+    return sum(_has_number(output, k) for k in sample.answers) / len(sample.answers)
+
+
+def score_turn(sample: Sample, i: int, output: str) -> bool:
+    """passkeys as a conversation: whether the answer of turn i (from 0) holds key i (a whole digit run)."""
+    return _has_number(output, sample.answers[i])
+
+
 def score_needle(sample: Sample, output: str) -> bool:
     """niah_single, niah_multikey, multiturn: the asked number appears."""
     return _has_number(output, sample.answers[0])
@@ -589,12 +675,12 @@ def score_docs_qa(sample: Sample, output: str) -> bool:
 
 
 TASKS: dict[str, Callable[..., Sample]] = {
-    "passkey": passkey, "niah_single": niah_single, "niah_multikey": niah_multikey,
+    "passkey": passkey, "passkeys": passkeys, "niah_single": niah_single, "niah_multikey": niah_multikey,
     "niah_multivalue": niah_multivalue, "variable_tracking": variable_tracking,
     "common_words": common_words, "doc_qa": doc_qa, "multiturn": multiturn, "docs_qa": docs_qa,
 }
 SCORERS: dict[str, Callable[[Sample, str], bool | float]] = {
-    "passkey": score_passkey, "niah_single": score_needle, "niah_multikey": score_needle,
+    "passkey": score_passkey, "passkeys": score_keys, "niah_single": score_needle, "niah_multikey": score_needle,
     "niah_multivalue": score_multivalue, "variable_tracking": score_variables,
     "common_words": score_common_words, "doc_qa": score_doc_qa, "multiturn": score_needle,
     "docs_qa": score_docs_qa,
@@ -602,7 +688,7 @@ SCORERS: dict[str, Callable[[Sample, str], bool | float]] = {
 
 
 def score(sample: Sample, output: str) -> bool | float:
-    """The task's scoring rule (module doc): a bool, or a float in [0, 1] for common_words."""
+    """The task's scoring rule (module doc): a bool, or a float in [0, 1] for common_words and passkeys."""
     return SCORERS[sample.task](sample, output)
 
 
