@@ -736,6 +736,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &set_pool, "the decode loops on cpu_pool.h's pool, spinning up to this many us before sleeping (0: OpenMP)");
   m.def("dequant_int4_t", &dequant_int4_t, "packed int4 weight into a float32 [K, rows] buffer");
   m.def("int4_to_int8_t", &prefill::int4_to_int8_t, "packed int4 weight as int8 codes per output row, [K, rows]");
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  m.def("chunk_attention", &prefill::chunk_attention, "a chunk's attention over the kept units, bf16 dot products");
+#endif
   m.def("quantize_rows", &prefill::quantize_rows, "float32 rows as int8 codes and one scale per row");
   m.def("scale_sums", &prefill::scale_sums, "int32 sums times row and column scales (+ bias), float32");
   m.def("decode_attention", &decode_attention, "one token's grouped queries against a layer's kept units");

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from localchat.engine.attention import plain
 from localchat.engine.cache import KVCache
 from localchat.kernels import cpu_decode
 from localchat.kernels.fused import rotate
@@ -44,7 +45,7 @@ def supported(model, cache) -> bool:
     """Whether `DecodeStep` computes what transformers' forward would for this model and cache now."""
     config = model.config
     return (type(model).__name__ in LAYOUTS and type(cache) is KVCache and cache.extension is None
-            and config._attn_implementation == "sdpa" and not getattr(config, "use_sliding_window", False)
+            and plain(config) and not getattr(config, "use_sliding_window", False)
             and getattr(config, "final_logit_softcapping", None) is None)
 
 

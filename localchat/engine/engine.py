@@ -15,7 +15,7 @@ import torch
 
 from localchat.engine import focus as focus_mod
 from localchat.engine import loading
-from localchat.engine.attention import switchable
+from localchat.engine.attention import switchable, use_chunk_attention
 from localchat.engine.cache import POSITION_MODES, KVCache
 from localchat.engine.cards import ModelCard, card_chunk
 from localchat.engine.decode_step import DecodeStep
@@ -101,6 +101,8 @@ class Engine:
         engine = cls(loaded.model, loaded.tokenizer, name=loaded.name, card=loaded.card, weights=weights, **settings)
         if engine.device.type == "cpu" and engine.decoding.lean:
             cpu_decode.prepare(say)
+        if engine.device.type == "cpu":
+            use_chunk_attention(engine.model)  # a chunk's attention in bf16 dot products where the CPU has them
         return engine
 
     def configure(self, policy: Policy | None = None, *, positions: str | None = None, chunk: int | None = None,

@@ -25,6 +25,7 @@ import weakref
 
 import torch
 
+from localchat.engine.attention import plain
 from localchat.engine.cache import KVCache
 from localchat.engine.decode_step import LAYOUTS
 from localchat.engine.qcache import QuantizedKVCache
@@ -58,7 +59,7 @@ def why_not(model, cache, heads=None) -> str | None:
         return "RoPE on part of each head"
     if type(cache) not in (KVCache, QuantizedKVCache) or cache.extension is not None:
         return "the policy keeps part of the cache elsewhere"
-    if config._attn_implementation != "sdpa":
+    if not plain(config):
         return f"the policy reads attention through its own function ({config._attn_implementation})"
     if getattr(config, "use_sliding_window", False) or getattr(config, "final_logit_softcapping", None) is not None:
         return "sliding-window attention or logit soft-capping"

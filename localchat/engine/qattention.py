@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from localchat.engine.attention import AttentionSwitch, sdpa
+from localchat.engine.attention import AttentionSwitch, plain, sdpa
 from localchat.kernels.qattn import decode_attention
 from localchat.kernels.quant import group_size
 
@@ -45,7 +45,7 @@ class FusedDecode:
 
         self.switch = None
         self.layers = [layer for layer in cache.layers if hasattr(layer, "defer")]
-        if not self.layers or model.config._attn_implementation != "sdpa":  # a policy's own attention is on
+        if not self.layers or not plain(model.config):  # a policy's own attention is on
             return
         try:
             self.switch = AttentionSwitch(model, QATTN_IMPL, "_localchat_qattn", True, quant_attention)
