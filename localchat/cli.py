@@ -24,6 +24,8 @@ def _model_flags(p: argparse.ArgumentParser, sub: bool = False) -> None:
     p.add_argument("--model", "-m", default=d(None),
                    help="Hugging Face id, local HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--chunk", type=int, default=d(None), help="prefill chunk size in tokens (default: the model card's)")
+    p.add_argument("--threads", type=int, default=d(None),
+                   help="CPU threads for reading and answering (default: a tuned profile's, else one per core)")
     p.add_argument("--max-new-tokens", type=int, default=d(512), help="answer length limit (default 512)")
     p.add_argument("--temperature", type=float, default=d(0.0), help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=d(1.0), help="nucleus sampling threshold (default 1.0)")
@@ -123,6 +125,8 @@ def _check_flags(f: dict) -> None:
     _check_numbers(f)
     if f["chunk"] is not None and f["chunk"] < 1:
         raise UserError(f"--chunk must be at least 1 (got {f['chunk']})")
+    if f.get("threads") is not None and f["threads"] < 1:
+        raise UserError(f"--threads must be at least 1 (got {f['threads']})")
     for flag in ("budget", "local", "decode_window"):
         value = f[flag]
         if value is not None and value < (1 if flag == "budget" else 0):

@@ -72,6 +72,7 @@ class RunSpec:
     policy: PolicySpec
     model: str | None = None  # None: the embedded default model
     chunk: int = DEFAULT_CHUNK
+    threads: int | None = None  # CPU threads; None: torch's default (one per core)
     weights: str | None = None  # None: the device's dtype (fp32 on a CPU, bf16 on a GPU)
     kv: str = "none"  # retained cache: none | int8 | int4 | int2
     margin_mib: int | None = None
@@ -96,6 +97,7 @@ class RunSpec:
         values = [("model", self.model or "default"), ("policy", p.name), ("positions", p.positions),
                   ("budget", p.budget), ("chunk", self.chunk), ("local", p.local), ("decode_window", p.decode_window),
                   ("heads", p.heads), *p.params, ("weights", self.weights or "device dtype"), ("kv", self.kv),
+                  ("threads", self.threads or "one per core"),
                   ("margin_mib", self.margin_mib if self.margin_mib is not None else "auto"),
                   ("max_new_tokens", self.generation.max_new_tokens)]
         return [(k, v, self.sources.get(k, DEFAULT)) for k, v in values]

@@ -49,6 +49,8 @@ def add_parsers(sub, model_flags) -> None:
     tune.add_argument("--name", help="the profile's name (default: tuned-<device>)")
     tune.add_argument("--tokens", type=int, default=4096, help="prompt length for the measurements (default 4096)")
     tune.add_argument("--chunks", default="256,512,1024,2048", help="chunk sizes to measure (default 256,512,1024,2048)")
+    tune.add_argument("--thread-counts", help="CPU threads to measure at the chosen chunk (default: 1, half the "
+                                              "cores and every core)")
     tune.add_argument("--out", type=Path, help="also write the measured figures as JSON here")
     _plan_flags(tune)
     model_flags(tune, sub=True)
@@ -312,6 +314,44 @@ def measure_decode(spec: RunSpec, choices: tuple[str, ...], prompt: int = 256, n
     return speeds
 
 
+def thread_counts(text: str | None, cores: int) -> list[int]:
+    """The thread counts `profile tune` measures: `text` (comma-separated), or 1, half the cores and all of them."""
+    if not text:
+        return sorted({1, max(1, cores // 2), cores})
+    try:
+        counts = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        raise UserError(f"--thread-counts takes whole numbers, e.g. 1,2 (got {text!r})") from None
+    if not counts or counts[0] < 1:
+        raise UserError(f"--thread-counts needs counts of at least 1 (got {text!r})")
+    return counts
+
+
+def measure_threads(engine, tokens: int, chunk: int, counts: list[int], baseline: int | None) -> dict[int, dict]:
+    """Reading speed (a `tokens` prompt at `chunk`) and decoding speed (32 tokens after it) on each thread count."""
+    import torch
+
+    from localchat.engine.sampling import GenerationSettings
+
+    out = {}
+    for n in counts:
+        torch.set_num_threads(n)
+        read, _ = measure_speed(engine, tokens, chunk, baseline)
+        ids = torch.randint(0, len(engine.tokenizer), (256,), generator=torch.Generator().manual_seed(n)).tolist()
+        done = [ev for ev in engine.generate(ids, GenerationSettings(max_new_tokens=32, ignore_eos=True))][-1]
+        if type(done).__name__ == "Error":
+            raise UserError(f"measuring {n} threads failed: {done.message}")
+        out[n] = {"read": round(read, 1), "decode": round(done.decode_tps, 1)}
+        print(f"threads {n:>3}: read {read:8.1f} tokens/s, decode {done.decode_tps:6.1f} tokens/s", file=sys.stderr)
+    return out
+
+
+def best_threads(measured: dict[int, dict]) -> int:
+    """The count that reads fastest (what a CPU user waits for); of counts within 3 % of it, the one decoding fastest."""
+    top = max(m["read"] for m in measured.values())
+    return max((n for n, m in measured.items() if m["read"] >= 0.97 * top), key=lambda n: measured[n]["decode"])
+
+
 def run_tune(args) -> int:
     """Measure this machine: prefill speed per chunk, then the real peak at the plan's budget and precision (planned
     again around any miss); save what fits with the margin as a profile, and show the plan before and after."""
@@ -325,6 +365,9 @@ def run_tune(args) -> int:
         raise UserError(f"--tokens ({args.tokens}) must be at least the largest chunk ({max(chunks)})")
     if args.name is not None:
         profiles.profile_toml(args.name, {})  # a bad name fails now, not after the measurements
+    import os
+
+    counts = thread_counts(args.thread_counts, os.cpu_count() or 1)
     device = detect()
     args.profile = args.profile or "none"  # measure plain auto-detected settings unless a profile is named
     spec, before, _ = plan_for(args)
@@ -361,6 +404,11 @@ def run_tune(args) -> int:
     after = verify(engine, check, baseline=base)
     import torch
 
+    by_threads = {}
+    if device.kind == "cpu" and spec.threads is None:  # else the threads the user named
+        by_threads = measure_threads(engine, args.tokens, after.chunk, counts, base)
+        torch.set_num_threads(best_threads(by_threads))
+
     from localchat import __version__
 
     speed = dict(zip(chunks, speeds)).get(after.chunk)
@@ -369,6 +417,8 @@ def run_tune(args) -> int:
         "chunks": chunks, "tokens_per_s": speeds, "peak_mib": peaks, **{f"decode_tps_{w}": v for w, v in decode.items()},
         **_summary("before", before), **_summary("after", after),
         "torch": torch.__version__, "localchat": __version__, "threads": torch.get_num_threads(),
+        **({"thread_counts": list(by_threads), "read_tokens_per_s_by_threads": [m["read"] for m in by_threads.values()],
+            "decode_tokens_per_s_by_threads": [m["decode"] for m in by_threads.values()]} if by_threads else {}),
     }
     table = {"description": f"tuned on {device.name}", "device": "cpu" if device.kind == "cpu" else device.name,
              "memory_gb": round((before.memory if args.memory_gb else device.total) / GIB, 1),
@@ -378,6 +428,8 @@ def run_tune(args) -> int:
     table.update({"policy": engine.policy.name, "positions": engine.positions, "budget": after.budget,
                   "chunk": after.chunk, "local": engine.policy.local, "weights": after.weights,
                   "kv": after.kv, "margin_mib": after.estimate.margin // MIB})
+    if by_threads:
+        table["threads"] = best_threads(by_threads)
     params = settled_params(spec, after.budget)
     table.update({k: v for k, v in params.items() if k in profiles.SETTINGS})  # LOCRET's n_s
     table["measured"] = measured

@@ -102,6 +102,7 @@ def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
     where `spec` has no plan yet for a bounded policy (its shape was unknown before loading), it is planned with the
     loaded model's exact size. `engine.spec` is what runs; `admit` is its memory check."""
     card = spec.card  # resolve() checked the architecture and looked the card up
+    use_threads(spec.threads)
     spec = replace(spec, heads_dir=heads_source(spec.policy, card, card.name if card else str(spec.model)))
     loaded = loading.load(spec.model, weights=spec.weights, say=say, before_weights=before_weights, card=card)
     if spec.plan is None and spec.policy.cls.bounded():
@@ -109,6 +110,14 @@ def load_engine(spec: RunSpec, *, say=_stderr, before_weights=None) -> Engine:
     policy = build_policy(loaded.model, spec.policy, spec.heads_dir, loaded.card, loaded.name)
     return Engine.of(loaded, weights=spec.weights, say=say, policy=policy, positions=spec.policy.positions,
                      chunk=spec.chunk, kv=spec.kv, admit=admit, spec=spec)
+
+
+def use_threads(threads: int | None) -> None:
+    """Run torch's and the CPU kernels' loops on `threads` threads (None: torch's default, one per core)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def plan_loaded(model, card, name: str, spec: RunSpec, say=lambda line: print(line, file=sys.stderr)) -> RunSpec:

@@ -45,6 +45,7 @@ SETTINGS: dict[str, tuple[str, Any]] = {
     "positions": ("choice", POSITIONS),
     "budget": ("int", 1),
     "chunk": ("int", 1),
+    "threads": ("int", 1),  # CPU threads (torch's and the kernels'); `profile tune` measures them
     "local": ("int", 0),
     **policy_options(),  # LOCRET's --stabilizers, --max-copies, --focus ...; OmniKV's --offload, --sparse-prefill
     "weights": ("choice", WEIGHT_DTYPES),

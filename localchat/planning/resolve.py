@@ -426,7 +426,7 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
         chunk, sources["chunk"] = int(locret["chunk"]), Source(Kind.CARD)
     else:
         chunk, sources["chunk"] = DEFAULT_CHUNK, DEFAULT
-    for key in ("model", "weights", "kv", "margin_mib"):
+    for key in ("model", "weights", "kv", "margin_mib", "threads"):
         if key in given:
             sources[key] = given_from[key]
     generation = GenerationSettings(**{k: flags[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")
@@ -434,7 +434,7 @@ def resolve(flags: dict[str, Any], *, env: dict | None = None, device: Device | 
                                     stop=card.stop if card is not None else ())  # a plain layout's answer's end
     generation.validate()
     kv = given.get("kv") or "none"
-    spec = RunSpec(policy=policy, model=model, chunk=chunk, weights=given.get("weights"),
+    spec = RunSpec(policy=policy, model=model, chunk=chunk, weights=given.get("weights"), threads=given.get("threads"),
                    kv=kv if kv not in ("fp32", "bf16", "fp16") else "none", margin_mib=given.get("margin_mib"),
                    generation=generation, profile=r.profile.name if r.profile else None,
                    asked=tuple((k, v) for k, v in given.items() if k in ("positions", *POLICY_FIELDS, *option_keys())),

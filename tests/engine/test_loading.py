@@ -15,6 +15,7 @@ import pytest
 from tiny import save_tiny
 
 from localchat.engine import default_model, loading
+from localchat.engine.attention import plain
 from localchat.engine.cards import default_card, find_card
 from localchat.engine.engine import Engine
 from localchat.engine.events import Done
@@ -35,7 +36,7 @@ def _answer(engine):
 def test_local_hf_directory_loads_and_answers(tiny_dir):
     engine = Engine.load(str(tiny_dir))
     assert engine.device.type == "cpu" and next(engine.model.parameters()).dtype.is_floating_point
-    assert engine.model.config._attn_implementation == "sdpa"
+    assert plain(engine.model.config)  # SDPA, or SDPA with the CPU chunk kernel
     assert _answer(engine).new_tokens > 0
 
 

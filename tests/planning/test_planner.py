@@ -20,6 +20,7 @@ from localchat.errors import UserError
 from localchat.planning import memory as m
 from localchat.planning import planner
 from localchat.planning.planner import Request, make_plan
+from localchat.profile_cli import best_threads, thread_counts
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 LLAMA = str(CONFIGS / "llama-3.1-8b-instruct.json")
@@ -443,7 +444,11 @@ def test_profile_tune_saves_budget_and_precision_with_before_and_after(tmp_path,
 
     monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
     argv = ["--model", str(save_tiny(tmp_path / "m")), "--policy", "locret", "--heads", "random",
-            "profile", "tune", "--tokens", "128", "--chunks", "32,64", "--name", "mine", "--memory-gb", "2"]
+            "profile", "tune", "--tokens", "128", "--chunks", "32,64", "--name", "mine", "--memory-gb", "2",
+            "--thread-counts", "1,2"]
+    import torch
+
+    threads = torch.get_num_threads()
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "before (plan)" in out and "after (measured)" in out and "measured" in out
@@ -452,6 +457,43 @@ def test_profile_tune_saves_budget_and_precision_with_before_and_after(tmp_path,
     assert values["chunk"] in (32, 64) and values["weights"] == measured["after_weights"]
     assert values["budget"] == measured["after_budget"] and values["kv"] == measured["after_kv"]
     assert measured["after_measured_peak_mib"] > 0 and measured["before_predicted_peak_mib"] > 0
+    assert measured["thread_counts"] == [1, 2] and len(measured["read_tokens_per_s_by_threads"]) == 2
+    assert min(measured["decode_tokens_per_s_by_threads"]) > 0
+    by = {n: {"read": r, "decode": d} for n, r, d in zip(measured["thread_counts"], measured["read_tokens_per_s_by_threads"],
+                                                         measured["decode_tokens_per_s_by_threads"])}
+    assert values["threads"] == best_threads(by)
+    torch.set_num_threads(threads)
+
+
+def test_tune_keeps_the_threads_that_read_fastest_and_of_near_ties_the_faster_decoder():
+    assert best_threads({1: {"read": 100.0, "decode": 50.0}, 2: {"read": 180.0, "decode": 40.0}}) == 2
+    assert best_threads({1: {"read": 176.0, "decode": 60.0}, 2: {"read": 180.0, "decode": 40.0}}) == 1  # within 3 %
+    assert thread_counts(None, 8) == [1, 4, 8] and thread_counts(None, 1) == [1] and thread_counts("2,1,2", 8) == [1, 2]
+    with pytest.raises(UserError, match="--thread-counts"):
+        thread_counts("0,2", 8)
+
+
+def test_a_profiles_threads_reach_the_run(monkeypatch, tmp_path):
+    """`threads` in a profile (what tune saves) or --threads is the RunSpec's, and loading runs torch on it."""
+    import torch
+
+    from localchat.planning import profiles
+    from localchat.planning.load import use_threads
+    from localchat.planning.resolve import resolve
+
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    profiles.save_profile("two", {"description": "t", "device": "cpu", "threads": 1})
+    assert resolve({"profile": "two"}, plan=False, quiet=True).threads == 1
+    assert resolve({"profile": "two", "threads": 2}, plan=False, quiet=True).threads == 2
+    assert resolve({}, plan=False, quiet=True).threads is None
+    before = torch.get_num_threads()
+    try:
+        use_threads(1)
+        assert torch.get_num_threads() == 1
+        use_threads(None)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_two_bit_cache_is_the_last_resort_not_a_way_to_keep_the_budget():
