@@ -12,7 +12,7 @@ One fp32 row (a decoded token) goes through `packed_row` of the C++ decode kerne
 quantized to int8 per group of 32 inputs (`quantize_row`, as llama.cpp's Q8_0 activations: integer multiply-adds
 in place of widening every code to fp32); torch's int8 kernel elsewhere), else through torch's kernels on a bf16
 copy of the row. Those are matrix-vector kernels: their time grows with the rows, and at a prefill
-chunk of 512 rows they are no faster than fp32. A step of more than VECTOR_ROWS[bits] rows, where the CPU has VNNI's
+chunk of 512 rows they are no faster than fp32. A step of more than VECTOR_ROWS[bits] rows, where the CPU has AVX512-VNNI's
 integer multiply-adds, multiplies the rows as int8 by the weight as int8 (`chunk_products`, kernels/cpu_prefill.h:
 one int8 x int8 -> int32 product through torch's `_int_mm`, 4.3x fp32's products here). Elsewhere it dequantizes the weight
 to bf16 and runs one bf16 matmul instead (where bf16 products are native, AVX-512; elsewhere in the input's
@@ -179,7 +179,7 @@ _CHUNK_PRODUCTS: list[str] = []  # a setting made by set_chunk_products, else th
 def chunk_products() -> str:
     """How a chunk of more than VECTOR_ROWS rows multiplies packed weights: "int8" (rows and weight as int8,
     integer sums: kernels/cpu_prefill.h) or "float" (the weight dequantized: bf16 on AVX-512, else fp32).
-    The default is int8 where the CPU has VNNI's integer multiply-adds (bench/results/cpu-prefill/)."""
+    The default is int8 where the CPU has AVX512-VNNI's integer multiply-adds (bench/results/cpu-prefill/)."""
     if _CHUNK_PRODUCTS:
         return _CHUNK_PRODUCTS[-1]
     return "int8" if _cpu_has_vnni() else "float"
@@ -202,7 +202,7 @@ def _cpu_has_vnni() -> bool:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+    return "avx512_vnni" in flags  # measured there (bench/results/cpu-prefill/); AVX-VNNI on AVX2 CPUs is not
 
 
 def row_kernels():
