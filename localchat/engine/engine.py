@@ -21,6 +21,7 @@ from localchat.engine.cards import ModelCard, card_chunk
 from localchat.engine.decode_step import DecodeStep
 from localchat.engine.decode_step import supported as lean_supported
 from localchat.engine.detok import StreamDecoder
+from localchat.engine.encode import encode as encode_text
 from localchat.engine.events import Done, Error, Event, Notice, Token
 from localchat.engine.graph_step import GraphStep
 from localchat.engine.graph_step import why_not as graph_why_not
@@ -156,7 +157,7 @@ class Engine:
         return text + ("Assistant:" if add_generation_prompt else "")
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_text(self.tokenizer, text)  # a long text in pieces, with the same ids (engine/encode.py)
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))
