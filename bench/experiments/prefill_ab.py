@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = load_engine(cell)
     use_policy(engine, cell)
     ids = prompt(engine, args.length, 0)
-    print(f"attention implementation: {engine.model.config._attn_implementation}; {len(ids)} prompt tokens")
+    kernel = attention.chunk_kernel() is not None
+    print(f"chunk attention kernel: {'built' if kernel else 'not on this CPU'}; {len(ids)} prompt tokens")
     for way in WAYS:  # a first read each: buffers, the kernels' first calls
         use(way)
         greedy(engine, ids, 2)
