@@ -30,7 +30,7 @@ from localchat.errors import UserError
 
 RESULTS = "results.jsonl"
 MAX_LENGTH = 128 * 1024
-MAX_LENGTHS = {"passkeys": 1024 * 1024}  # tasks whose repeated filler reaches further (a 1M document, read once)
+MAX_LENGTHS = {"passkeys": 1024 * 1024, "passkey": 1024 * 1024}  # repeated filler reaches further (a 1M document)
 MIN_LENGTH = 64
 
 

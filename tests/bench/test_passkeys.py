@@ -98,11 +98,11 @@ def test_a_million_tokens_is_quick(smol_tok):
     assert took < 5 and peak < 20 * len(s.document)  # a few copies of the text, no token lists
 
 
-def test_lengths_parse_and_only_passkeys_reach_a_million():
+def test_lengths_parse_and_only_the_pass_key_tasks_reach_a_million():
     assert [parse_length(t) for t in ("1m", "1M", "1000k", "32k")] == [2**20, 2**20, 1_024_000, 32768]
-    config = BenchConfig(tasks=["passkeys"], lengths=[2**20], policies=["full"], budgets=[], n=1, out=None)
+    config = BenchConfig(tasks=["passkeys", "passkey"], lengths=[2**20], policies=["full"], budgets=[], n=1, out=None)
     check(config)
-    config.tasks = ["passkeys", "passkey"]
+    config.tasks = ["passkeys", "niah_single"]
     with pytest.raises(UserError, match="out of range"):
         check(config)
     config.tasks, config.lengths = ["passkeys"], [2**20 + 1]
