@@ -32,6 +32,7 @@ from localchat.bench.tasks import (
     score,
     score_turn,
 )
+from localchat.engine.encode import cuts
 from localchat.engine.events import Done, Error
 from localchat.engine.sampling import GenerationSettings
 from localchat.errors import UserError
@@ -201,19 +202,25 @@ def _complete(engine, messages: list[dict], max_new: int, answers: tuple[str, ..
 def answer_tokens(tokenizer, text: str, ids: list[int], answers: tuple[str, ...]) -> list[int]:
     """Prompt token indices that overlap any occurrence of an expected answer in `text` (the needle's
     value where the document states it). Empty when the tokenizer gives no offsets or they disagree."""
-    try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except (NotImplementedError, ValueError, TypeError):  # a slow tokenizer: no offsets
-        return []
-    if list(enc["input_ids"]) != list(ids):
-        return []
     spans = []
     for answer in answers:
         at = text.find(answer)
         while answer and at >= 0:
             spans.append((at, at + len(answer)))
             at = text.find(answer, at + 1)
-    return [i for i, (a, b) in enumerate(enc["offset_mapping"]) if any(a < e and b > s for s, e in spans)]
+    found, done, start = [], 0, 0
+    for end in [*cuts(tokenizer, text), len(text)]:  # the encoder's pieces: a 1M-token prompt's offsets stay small
+        try:
+            enc = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):  # a slow tokenizer: no offsets
+            return []
+        n = len(enc["input_ids"])
+        if list(enc["input_ids"]) != list(ids[done:done + n]):
+            return []
+        found += [done + i for i, (a, b) in enumerate(enc["offset_mapping"])
+                  if any(a + start < e and b + start > s for s, e in spans)]
+        done, start = done + n, end
+    return found if done == len(ids) else []
 
 
 def answer_kept(tokenizer, text: str, ids: list[int], answers: tuple[str, ...], cache) -> float | None:

@@ -64,3 +64,19 @@ def test_a_short_text_is_one_call(tiny_tok, small_pieces, monkeypatch):
     monkeypatch.setattr(encode, "ids", lambda tok, text: calls.append(text) or [1])
     encode.encode(tiny_tok, "a b " * 400)  # 1,600 characters: under two pieces
     assert len(calls) == 1
+
+
+def test_the_benchs_answer_tokens_read_offsets_piece_by_piece(tiny_tok, small_pieces):
+    """bench/cell.py's answer_tokens (which prompt tokens hold the answer) gives the indices of one offsets call,
+    from the encoder's pieces (a 1M-token prompt's offsets in one call took hundreds of MB)."""
+    from localchat.bench.cell import answer_tokens
+
+    text = _text(3_000, seed=2)
+    text = text[:9_000] + " the key is 4242917 " + text[9_000:] + " and 4242917 again"
+    ids = encode.encode(tiny_tok, text)
+    assert len(list(encode.cuts(tiny_tok, text))) >= 3
+    enc = tiny_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans = [(i, i + 7) for i in (text.find("4242917"), text.rfind("4242917"))]
+    want = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if any(a < e and b > s for s, e in spans)]
+    assert len(want) == 14 and answer_tokens(tiny_tok, text, ids, ("4242917",)) == want
+    assert answer_tokens(tiny_tok, text, ids[:-1], ("4242917",)) == []  # ids that are not this text's
