@@ -123,7 +123,11 @@ class PackedLinear(nn.Module):
             weight = _buffer("int8", self.in_features * self.codes.shape[0], torch.int8).view(self.in_features, -1)
             native.int4_to_int8_t(self.codes, self.scales, self._inv_col_scale, GROUP, self.block, weight)
         bias = self.bias.float() if self.bias is not None else _NO_BIAS
-        return native.scale_sums(torch._int_mm(q, weight), row_scale, col_scale, bias, self.out_features)
+        # the int32 sums in this thread's reused buffer: a fresh one per layer, freed between the small tensors that
+        # stay, left the heap in holes that RSS kept
+        sums = _buffer("sums", q.shape[0] * weight.shape[1], torch.int32).view(q.shape[0], weight.shape[1])
+        torch._int_mm(q, weight, out=sums)
+        return native.scale_sums(sums, row_scale, col_scale, bias, self.out_features)
 
     def _col_scale(self, native) -> torch.Tensor:
         """Per output row, the step of its int8 codes (int8: the layer's own scales; int4: max |w| / 127)."""
@@ -132,7 +136,9 @@ class PackedLinear(nn.Module):
             if self.bits == 8:
                 scale = self.scales.float()
             else:
-                scale = self._dequantized_t(native).abs().amax(dim=0) / 127
+                # in place in the scratch buffer: a freed weight-sized temporary between the layers' small kept
+                # tensors left the heap in holes (about 2.4 MB of RSS per layer of SmolLM2)
+                scale = self._dequantized_t(native).abs_().amax(dim=0).div_(127)
                 self._inv_col_scale = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
             self._int8_scale = scale
         return scale
