@@ -172,7 +172,8 @@ class PackedLinear(nn.Module):
 def _buffer(name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
     """This thread's reused scratch buffer `name`, `size` elements of `dtype` (grown as needed)."""
     buffer = getattr(_scratch, name, None)
-    if buffer is None or buffer.numel() < size:
+    if (buffer is None or buffer.numel() < size  # a buffer made under inference_mode cannot be written outside it
+            or (buffer.is_inference() and not torch.is_inference_mode_enabled())):
         buffer = torch.empty(size, dtype=dtype)
         setattr(_scratch, name, buffer)
     return buffer[:size]
